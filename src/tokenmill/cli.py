@@ -1,0 +1,106 @@
+"""The ``tokenmill`` command. Each subcommand imports what it needs when it runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from tokenmill.config import DEFAULT_DEPLOYMENT_ID, ConfigError, DeploymentConfig, load_settings
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenmill.server.app import create_app
+
+    overrides = {
+        "host": args.host,
+        "port": args.port,
+        "data_dir": args.data_dir,
+        "ledger": getattr(args, "ledger", None),
+        "log_level": args.log_level,
+    }
+    try:
+        settings = load_settings(args.config, overrides)
+        if args.model is not None:
+            if settings.deployments:
+                raise ConfigError("--model serves one model; do not combine it with --config")
+            if not args.model.is_file():
+                raise ConfigError(f"--model: file not found: {args.model}")
+            dep = DeploymentConfig(id=args.name or args.model.stem, model=args.model)
+            settings = settings.model_copy(update={"deployments": [dep]})
+        settings = settings.with_default_deployment()
+    except ConfigError as e:
+        print(f"tokenmill: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    app = create_app(settings)
+    print(f"tokenmill serving on http://{settings.host}:{settings.port}", flush=True)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=15,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill", description="Serve LLMs with token streaming, and meter every token."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the gateway")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--config", type=Path, help="a tokenmill.toml file")
+    serve.add_argument("--data-dir", type=Path, help="where the ledger and state live")
+    serve.add_argument("--model", type=Path, help="serve this GGUF file instead of the default")
+    serve.add_argument(
+        "--name", help=f"deployment id for --model (default: file stem; '{DEFAULT_DEPLOYMENT_ID}')"
+    )
+    serve.add_argument("--log-level", default=None, help="debug, info, warning")
+    serve.set_defaults(func=_serve)
+
+    for register in _extensions():
+        register(sub)
+    return parser
+
+
+def _extensions() -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]:
+    """Subcommands defined next to the code they drive (client, ledger, bench)."""
+    found = []
+    for module_name in ("tokenmill.client.cli", "tokenmill.ledger.cli", "tokenmill.bench"):
+        try:
+            module = __import__(module_name, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue
+        found.append(module.register)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Command = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""One configuration object, filled the same way from the CLI, ``TOKENMILL_*`` variables
+and a TOML file (``--config``). Precedence: CLI flag > environment > file > default.
+
+A bad file stops start-up with a :class:`ConfigError` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_DEPLOYMENT_ID = "smollm2"
+# The embedded model was trained with 8k context; 2k per sequence keeps the KV cache
+# for 16 slots under 1 GB while fitting every realistic chat turn.
+DEFAULT_N_CTX = 2048
+DEFAULT_MAX_NUM_SEQS = 16
+# 1 MiB of JSON is far beyond any prompt that fits a 2k-token window.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names the file and key."""
+
+
+class Price(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt_per_mtok: int = Field(default=0, ge=0)
+    completion_per_mtok: int = Field(default=0, ge=0)
+
+
+class DeploymentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+    engine: Literal["llamacpp", "upstream"] = "llamacpp"
+    endpoint_type: Literal["chat", "completion"] = "chat"
+    max_queue: int = Field(default=64, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    idle_unload_s: float | None = Field(default=None, gt=0)
+    price: Price | None = None
+
+    # llamacpp
+    model: Path | None = None
+    replicas: int = Field(default=1, ge=1, le=64)
+    max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1, le=256)
+    n_ctx: int = Field(default=DEFAULT_N_CTX, ge=64)
+    n_threads: int | None = Field(default=None, ge=1)
+    # Run replicas as supervised child processes (the default). In-process replicas
+    # exist for embedding tokenmill in another program and for the benchmark's ceiling.
+    isolated: bool = False
+
+    # upstream
+    url: str | None = None
+    upstream_model: str | None = None
+    api_key: str | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _engine_fields(self) -> DeploymentConfig:
+        if self.engine == "upstream":
+            if not self.url:
+                raise ValueError("an upstream deployment needs 'url'")
+            if not self.url.rstrip("/").endswith("/v1"):
+                raise ValueError("'url' must be an OpenAI-compatible base URL ending in /v1")
+        elif self.model is not None and not self.model.is_file():
+            raise ValueError(f"model file not found: {self.model}")
+        return self
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    data_dir: Path | None = None
+    max_body_bytes: int = Field(default=DEFAULT_MAX_BODY_BYTES, ge=1024)
+    ledger: str | None = None
+    admin_key: str | None = None
+    log_level: str = "info"
+    deployments: list[DeploymentConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> Settings:
+        seen: set[str] = set()
+        for d in self.deployments:
+            if d.id in seen:
+                raise ValueError(f"duplicate deployment id {d.id!r}")
+            seen.add(d.id)
+        return self
+
+    def with_default_deployment(self) -> Settings:
+        if self.deployments:
+            return self
+        return self.model_copy(update={"deployments": [DeploymentConfig(id=DEFAULT_DEPLOYMENT_ID)]})
+
+
+_ENV_KEYS = ("host", "port", "data_dir", "max_body_bytes", "ledger", "admin_key", "log_level")
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {loc or '(top level)'}: {msg}")
+    return "\n".join(lines)
+
+
+def load_settings(
+    config_file: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Settings:
+    """Build the settings; raise :class:`ConfigError` with a readable message."""
+    env = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    source = "command line and environment"
+    if config_file is None and env.get("TOKENMILL_CONFIG"):
+        config_file = Path(env["TOKENMILL_CONFIG"])
+    if config_file is not None:
+        source = str(config_file)
+        try:
+            with open(config_file, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {config_file}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{config_file}: not valid TOML: {e}") from None
+        base = config_file.parent
+        for d in data.get("deployments", []):
+            if isinstance(d, dict) and isinstance(d.get("model"), str):
+                p = Path(d["model"]).expanduser()
+                d["model"] = str(p if p.is_absolute() else base / p)
+    for key in _ENV_KEYS:
+        value = env.get(f"TOKENMILL_{key.upper()}")
+        if value:
+            data[key] = value
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            data[key] = value
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None

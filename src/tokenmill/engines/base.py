@@ -1,0 +1,137 @@
+"""The one engine interface every inference backend implements.
+
+An engine turns a :class:`GenerationRequest` into an async stream of :class:`Chunk`
+objects. It knows prompts, token ids and text; it never knows HTTP, API keys or
+money. Usage (prompt and completion token counts) travels on the last chunk, which
+is the only chunk with a ``finish_reason``.
+
+Contract every implementation keeps:
+
+* ``generate`` yields text deltas that are whole UTF-8 characters and never contain
+  (part of) a stop string; ``completion_tokens`` never exceeds ``max_tokens``.
+* Closing the iterator early (``aclose()``, task cancellation, client gone) aborts
+  the request inside the engine within a step or two and frees its capacity.
+* Errors are raised as :mod:`tokenmill.errors` exceptions, before the first chunk
+  when they concern the request (context too long), mid-stream otherwise.
+
+A new backend (vLLM, a Ray Serve replica) is one more class with these methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int  # 0: until the context window is full
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One generation. Exactly one of ``prompt`` and ``messages`` is set.
+
+    ``messages`` are rendered by the engine with ``chat_template`` (a Jinja string)
+    when given, else with the model's own template.
+    """
+
+    request_id: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages must be set")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A text delta. The last chunk of a stream has ``finish_reason`` and ``usage``."""
+
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInfo:
+    """What admission and metering need to know before generation starts."""
+
+    prompt_tokens: int
+    context_length: int
+
+
+@dataclass(slots=True)
+class EngineHealth:
+    ready: bool
+    slots: int
+    running: int
+    waiting: int = 0
+    tokens_generated: int = 0
+    kv_cache_usage: float = 0.0
+    detail: dict[str, object] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference backend. See the module docstring for the contract."""
+
+    name: str
+
+    async def start(self) -> None:
+        """Load the model / open connections. Idempotent."""
+
+    async def close(self) -> None:
+        """Abort everything running and release the model."""
+
+    async def prepare(self, request: GenerationRequest) -> PromptInfo:
+        """Render and tokenize the prompt; raise ``ContextLengthError`` if it cannot fit."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        """Stream the completion. Closing the iterator aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> Usage | None:
+        """Stop a request and wait until it has stopped.
+
+        Returns its final usage (the tokens it really produced, which the caller
+        pays for), or None when the engine no longer knows the request.
+        """
+        ...
+
+    def health(self) -> EngineHealth:
+        """A cheap, non-blocking snapshot."""
+        ...

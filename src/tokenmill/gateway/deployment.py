@@ -1,0 +1,166 @@
+"""Deployments and their replicas.
+
+A :class:`Deployment` is a named model (the ``model`` clients send) with one or more
+:class:`Replica` objects, each wrapping one :class:`~tokenmill.engines.base.Engine`
+(an in-process llama.cpp context, a supervised child process, a remote endpoint).
+Requests are admitted against the deployment's total slots and routed to the ready
+replica with the fewest outstanding requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tokenmill.config import DeploymentConfig
+from tokenmill.engines import Engine, load_engine_class
+from tokenmill.errors import UnavailableError
+from tokenmill.gateway.admission import Admission
+
+log = logging.getLogger("tokenmill.gateway")
+
+ReplicaState = Literal["loading", "ready", "unhealthy", "unloaded"]
+
+
+class Replica:
+    def __init__(self, deployment_id: str, index: int, engine: Engine, slots: int) -> None:
+        self.deployment_id = deployment_id
+        self.index = index
+        self.engine = engine
+        self.slots = slots
+        self.in_flight = 0
+        self.state: ReplicaState = "unloaded"
+        self.restarts = 0
+        self.last_used = time.monotonic()
+
+    async def start(self) -> None:
+        self.state = "loading"
+        try:
+            await self.engine.start()
+        except BaseException:
+            self.state = "unhealthy"
+            raise
+        self.state = "ready"
+
+    async def close(self) -> None:
+        await self.engine.close()
+        self.state = "unloaded"
+
+    def describe(self) -> dict[str, Any]:
+        h = self.engine.health()
+        pid = getattr(self.engine, "pid", None)
+        return {
+            "index": self.index,
+            "pid": pid,
+            "state": self.state if h.ready or self.state != "ready" else "unhealthy",
+            "in_flight": self.in_flight,
+            "queued": h.waiting,
+            "slots": self.slots,
+            "restarts": getattr(self.engine, "restarts", self.restarts),
+            "tokens_generated": h.tokens_generated,
+        }
+
+
+def build_engine(config: DeploymentConfig) -> Engine:
+    """Instantiate the engine one replica of ``config`` runs."""
+    if config.engine == "llamacpp":
+        kwargs: dict[str, Any] = {
+            "model_path": config.model,
+            "max_num_seqs": config.max_num_seqs,
+            "n_ctx": config.n_ctx,
+            "n_threads": config.n_threads,
+        }
+        if config.isolated:
+            cls = load_engine_class("tokenmill.gateway.process:ProcessEngine")
+            return cls("llamacpp", kwargs)  # type: ignore[no-any-return]
+        return load_engine_class("llamacpp")(**kwargs)  # type: ignore[no-any-return]
+    return load_engine_class(config.engine)(config)  # type: ignore[no-any-return]
+
+
+@dataclass
+class _Idle:
+    task: asyncio.Task[None] | None = None
+
+
+class Deployment:
+    def __init__(self, config: DeploymentConfig, engines: list[Engine] | None = None) -> None:
+        self.config = config
+        self.id = config.id
+        if engines is None:
+            n = config.replicas if config.engine == "llamacpp" else 1
+            engines = [build_engine(config) for _ in range(n)]
+        slots = config.max_num_seqs
+        self.replicas = [Replica(self.id, i, e, slots) for i, e in enumerate(engines)]
+        self.admission = Admission(
+            capacity=sum(r.slots for r in self.replicas),
+            max_queue=config.max_queue,
+            queue_timeout_s=config.queue_timeout_s,
+        )
+        self.created = int(time.time())
+        self._load_lock = asyncio.Lock()
+        self._idle = _Idle()
+
+    @property
+    def endpoint_type(self) -> str:
+        return self.config.endpoint_type
+
+    async def start(self) -> None:
+        if self.config.idle_unload_s is not None:
+            self._idle.task = asyncio.create_task(self._unload_idle())
+            return  # replicas load on first request
+        await asyncio.gather(*(r.start() for r in self.replicas))
+
+    async def close(self) -> None:
+        if self._idle.task is not None:
+            self._idle.task.cancel()
+        await asyncio.gather(*(r.close() for r in self.replicas), return_exceptions=True)
+
+    async def pick(self) -> Replica:
+        """The ready replica with the fewest outstanding requests (loading it if idle)."""
+        ready = [r for r in self.replicas if r.state == "ready" and r.engine.health().ready]
+        if not ready:
+            if all(r.state == "unloaded" for r in self.replicas):
+                async with self._load_lock:
+                    await asyncio.gather(
+                        *(r.start() for r in self.replicas if r.state == "unloaded")
+                    )
+                ready = [r for r in self.replicas if r.state == "ready"]
+            if not ready:
+                states = ", ".join(r.state for r in self.replicas)
+                raise UnavailableError(
+                    f"deployment {self.id!r} has no ready replica ({states}); retry shortly"
+                )
+        best = min(ready, key=lambda r: (r.in_flight, r.last_used))
+        best.in_flight += 1
+        best.last_used = time.monotonic()
+        return best
+
+    def release(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        replica.last_used = time.monotonic()
+
+    async def _unload_idle(self) -> None:
+        limit = self.config.idle_unload_s
+        assert limit is not None
+        while True:
+            await asyncio.sleep(min(limit / 2, 5.0))
+            now = time.monotonic()
+            for r in self.replicas:
+                if r.state == "ready" and r.in_flight == 0 and now - r.last_used > limit:
+                    async with self._load_lock:
+                        log.info("unloading idle replica %s/%d", self.id, r.index)
+                        await r.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "deployment",
+            "engine": self.config.engine,
+            "endpoint_type": self.config.endpoint_type,
+            "in_flight": sum(r.in_flight for r in self.replicas),
+            "queued": self.admission.waiting,
+            "replicas": [r.describe() for r in self.replicas],
+        }

@@ -1,0 +1,128 @@
+"""The ASGI application: the only module that assembles the web framework.
+
+Start-up loads the deployments in the background so ``/health`` answers 503 while
+models load and 200 once every deployment is ready. Shutdown drains in a fixed
+order: stop accepting, let streams finish up to a deadline, abort the rest (each
+settled by its stream), then close engines and the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenmill.config import Settings
+from tokenmill.errors import NotFoundError, TokenmillError
+from tokenmill.gateway.core import Gateway, new_request_id
+from tokenmill.gateway.metering import ANONYMOUS
+from tokenmill.server.errors import error_response, handle_tokenmill_error, handle_unexpected
+from tokenmill.server.routes import router
+
+log = logging.getLogger("tokenmill.server")
+
+# Client-supplied request ids are echoed back and logged: keep them short and tame.
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Open streams get this long to finish at shutdown before they are aborted.
+DRAIN_S = 10.0
+
+
+class RequestContext:
+    """Pure ASGI middleware: a request id on every response, the caller on the state."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                candidate = value.decode("latin-1")
+                if _REQUEST_ID_RE.match(candidate):
+                    rid = candidate
+                break
+        rid = rid or new_request_id()
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid
+        state.setdefault("caller", ANONYMOUS)
+        header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
+                message["headers"] = [*headers, header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
+    gw = gateway or Gateway(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def load() -> None:
+            try:
+                await gw.start()
+                log.info("ready: %s", ", ".join(gw.deployments))
+            except Exception:
+                log.exception("a deployment failed to start")
+                app.state.load_error = True
+
+        loader = asyncio.create_task(load())
+        app.state.loader = loader
+        try:
+            yield
+        finally:
+            loader.cancel()
+            await gw.close(DRAIN_S)
+
+    app = FastAPI(
+        title="tokenmill",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.gateway = gw
+    app.state.settings = settings
+    app.state.load_error = False
+    app.add_exception_handler(TokenmillError, handle_tokenmill_error)
+    app.add_exception_handler(Exception, handle_unexpected)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            return error_response(
+                NotFoundError(f"no route {request.method} {request.url.path}", code="unknown_url")
+            )
+        err = TokenmillError(str(exc.detail))
+        body = err.to_openai_body()
+        body["error"]["type"] = "invalid_request_error"
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if app.state.load_error:
+            return JSONResponse({"status": "failed"}, status_code=503)
+        if not gw.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/health")
+    async def health_detail() -> dict[str, Any]:
+        return {"ready": gw.ready, "deployments": gw.stats()}
+
+    app.include_router(router)
+    app.add_middleware(RequestContext)
+    return app

@@ -1,0 +1,57 @@
+"""The one mapping from exceptions to OpenAI error responses. Never a stack trace."""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from tokenmill.errors import InvalidRequestError, PayloadTooLargeError, TokenmillError
+from tokenmill.server.protocol import error_param
+
+log = logging.getLogger("tokenmill.server")
+
+
+def error_response(exc: TokenmillError) -> JSONResponse:
+    return JSONResponse(exc.to_openai_body(), status_code=exc.status, headers=exc.headers())
+
+
+def from_validation_error(err: ValidationError) -> InvalidRequestError:
+    first = err.errors()[0]
+    param = error_param(tuple(first["loc"]))
+    msg = first["msg"]
+    if first["type"] == "missing":
+        msg = "this field is required"
+    elif msg.startswith("Value error, "):
+        msg = msg.removeprefix("Value error, ")
+    text = f"Invalid value for '{param}': {msg}" if param else f"Invalid request: {msg}"
+    return InvalidRequestError(text, param=param, code="invalid_value")
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refusing more than ``max_bytes`` without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLargeError(
+            f"the request body is {declared} bytes; the limit is {max_bytes} bytes"
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLargeError(f"the request body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def handle_tokenmill_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, TokenmillError)
+    return error_response(exc)
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(TokenmillError("internal error; the request was not processed"))

@@ -1,0 +1,183 @@
+"""The OpenAI-compatible routes and the deployment predict endpoints.
+
+Thin: parse and validate the body, ask ``serving`` for a generation, and send it as
+one JSON body or as server-sent events. All logic lives below this layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+
+from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableError
+from tokenmill.gateway.core import Gateway
+from tokenmill.gateway.deployment import Deployment
+from tokenmill.server.errors import from_validation_error, read_body
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PredictRequest,
+    SamplingFields,
+)
+from tokenmill.server.serving import Generation, Route, open_generation
+from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
+
+router = APIRouter()
+M = TypeVar("M", bound=BaseModel)
+
+ROUTE_HEADERS: dict[str, Route] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "chat": "chat",
+    "completion": "completion",
+    "completions": "completion",
+}
+
+
+def gateway_of(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    if not gw.ready:
+        raise UnavailableError("the gateway is still loading its models; retry shortly")
+    return gw
+
+
+async def parse(request: Request, model: type[M]) -> M:
+    body = await read_body(request, request.app.state.settings.max_body_bytes)
+    if not body.strip():
+        raise InvalidRequestError("the request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        if any(err["type"] == "json_invalid" for err in e.errors()):
+            raise InvalidRequestError(
+                f"the request body is not valid JSON: {e.errors()[0]['msg']}",
+                code="invalid_json",
+            ) from None
+        if any(err["type"] == "model_type" and not err["loc"] for err in e.errors()):
+            raise InvalidRequestError("the request body must be a JSON object") from None
+        raise from_validation_error(e) from None
+
+
+async def respond(request: Request, gen: Generation, stream: bool) -> Response:
+    headers = {"x-request-id": gen.request_id}
+    if stream:
+        return EventStreamResponse(gen.events(), gen.stream.aclose, headers)
+    body = await run_until_disconnect(request.receive, gen.collect, gen.stream.aclose)
+    if body is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(body, headers=headers)
+
+
+async def _generate(
+    request: Request,
+    body: SamplingFields,
+    route: Route,
+    deployment: Deployment,
+    *,
+    prompt: str | None = None,
+    messages: Any = None,
+) -> Response:
+    gw = gateway_of(request)
+    gen = await open_generation(
+        gw,
+        deployment,
+        body,
+        route,
+        request.state.request_id,
+        request.state.caller,
+        prompt=prompt,
+        messages=messages,
+    )
+    return await respond(request, gen, body.stream)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    body = await parse(request, ChatCompletionRequest)
+    deployment = gateway_of(request).deployment(body.model)
+    return await _generate(request, body, "chat", deployment, messages=body.messages)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    body = await parse(request, CompletionRequest)
+    deployment = gateway_of(request).deployment(body.model)
+    return await _generate(request, body, "completion", deployment, prompt=body.prompt_text)
+
+
+async def _predict(request: Request, deployment_id: str, stream: bool) -> Response:
+    gw = gateway_of(request)
+    deployment = _deployment_or_404(gw, deployment_id)
+    body = await parse(request, PredictRequest)
+    route: Route = deployment.config.endpoint_type
+    header = request.headers.get("route")
+    if header is not None:
+        if header.strip() not in ROUTE_HEADERS:
+            raise InvalidRequestError(
+                f"unknown route header {header!r}: use /v1/chat/completions or /v1/completions",
+                param="route",
+            )
+        route = ROUTE_HEADERS[header.strip()]
+    if body.endpoint_type is not None:
+        route = body.endpoint_type
+    body.stream = stream
+    if body.model is None:
+        body.model = deployment.id
+    return await _generate(
+        request, body, route, deployment, prompt=body.prompt, messages=body.messages
+    )
+
+
+def _deployment_or_404(gw: Gateway, deployment_id: str) -> Deployment:
+    try:
+        return gw.deployments[deployment_id]
+    except KeyError:
+        raise NotFoundError(
+            f"no deployment {deployment_id!r}; see GET /v1/deployments",
+            code="deployment_not_found",
+        ) from None
+
+
+@router.post("/v1/deployments/{deployment_id}/predict")
+async def predict(request: Request, deployment_id: str) -> Response:
+    return await _predict(request, deployment_id, stream=False)
+
+
+@router.post("/v1/deployments/{deployment_id}/predictWithResponseStream")
+async def predict_stream(request: Request, deployment_id: str) -> Response:
+    return await _predict(request, deployment_id, stream=True)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    gw: Gateway = request.app.state.gateway
+    return {
+        "object": "list",
+        "data": [
+            {"id": d.id, "object": "model", "created": d.created, "owned_by": "tokenmill"}
+            for d in gw.deployments.values()
+        ],
+    }
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> dict[str, Any]:
+    gw: Gateway = request.app.state.gateway
+    d = gw.deployment(model_id)
+    return {"id": d.id, "object": "model", "created": d.created, "owned_by": "tokenmill"}
+
+
+@router.get("/v1/deployments")
+async def deployments(request: Request) -> dict[str, Any]:
+    gw: Gateway = request.app.state.gateway
+    return {"object": "list", "data": [d.describe() for d in gw.deployments.values()]}
+
+
+@router.get("/v1/deployments/{deployment_id}")
+async def deployment(request: Request, deployment_id: str) -> dict[str, Any]:
+    gw: Gateway = request.app.state.gateway
+    return _deployment_or_404(gw, deployment_id).describe()

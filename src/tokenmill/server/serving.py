@@ -1,0 +1,178 @@
+"""Serving logic for chat and text completions: wire request in, OpenAI shapes out.
+
+Knows the OpenAI response formats; knows nothing of routes. ``open_generation``
+returns a :class:`Generation`; the router streams it as SSE (``events``) or awaits
+``collect`` for one JSON body.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tokenmill.engines.base import GenerationRequest, Usage
+from tokenmill.errors import TokenmillError
+from tokenmill.gateway.core import Gateway, RequestStream
+from tokenmill.gateway.deployment import Deployment
+from tokenmill.gateway.metering import Caller
+from tokenmill.server.protocol import Message, SamplingFields
+from tokenmill.server.sse import DONE, encode_event
+
+Route = Literal["chat", "completion"]
+
+
+def usage_body(usage: Usage | None, prompt_tokens: int) -> dict[str, Any]:
+    if usage is None:
+        usage = Usage(prompt_tokens, 0)
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+@dataclass
+class Generation:
+    route: Route
+    stream: RequestStream
+    model: str
+    include_usage: bool
+    created: int
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id
+
+    @property
+    def response_id(self) -> str:
+        prefix = "chatcmpl" if self.route == "chat" else "cmpl"
+        return f"{prefix}-{self.request_id.removeprefix('req-')}"
+
+    def _frame(self, choice: dict[str, Any]) -> bytes:
+        return encode_event(
+            {
+                "id": self.response_id,
+                "object": "chat.completion.chunk" if self.route == "chat" else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+            }
+        )
+
+    def _text_frame(self, text: str, finish_reason: str | None = None) -> bytes:
+        if self.route == "chat":
+            delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
+            return self._frame(
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            )
+        return self._frame(
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        )
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """SSE frames; an error after streaming began becomes an ``error`` event."""
+        try:
+            if self.route == "chat":
+                yield self._frame(
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            async for chunk in self.stream:
+                if chunk.text:
+                    yield self._text_frame(chunk.text)
+                if chunk.finish_reason is not None:
+                    yield self._text_frame("", _public_reason(chunk.finish_reason))
+            if self.include_usage:
+                usage = usage_body(self.stream.usage, self.stream.prompt_tokens)
+                frame = {
+                    "id": self.response_id,
+                    "object": "chat.completion.chunk" if self.route == "chat" else "text_completion",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": usage,
+                }
+                yield encode_event(frame)
+        except TokenmillError as e:
+            yield encode_event(e.to_openai_body())
+        yield DONE
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole completion as one OpenAI response body."""
+        parts: list[str] = []
+        reason: str | None = None
+        async for chunk in self.stream:
+            if chunk.text:
+                parts.append(chunk.text)
+            if chunk.finish_reason is not None:
+                reason = _public_reason(chunk.finish_reason)
+        text = "".join(parts)
+        if self.route == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            obj = "text_completion"
+        return {
+            "id": self.response_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage_body(self.stream.usage, self.stream.prompt_tokens),
+        }
+
+
+def _public_reason(reason: str | None) -> str | None:
+    # An engine-side abort only reaches a client that is still listening at
+    # shutdown; OpenAI clients know "stop" and "length".
+    if reason == "abort":
+        return "stop"
+    return reason
+
+
+async def open_generation(
+    gateway: Gateway,
+    deployment: Deployment,
+    body: SamplingFields,
+    route: Route,
+    request_id: str,
+    caller: Caller,
+    *,
+    prompt: str | None = None,
+    messages: list[Message] | None = None,
+) -> Generation:
+    """Build the engine request and open it through the gateway (may raise)."""
+    if route == "chat" and messages is None:
+        assert prompt is not None
+        messages, prompt = [Message(role="user", content=prompt)], None
+    chat = None
+    if messages is not None:
+        chat = tuple(m.to_chat_message() for m in messages)
+    request = GenerationRequest(
+        request_id=request_id,
+        sampling=body.sampling_params(body.max_tokens or 0),
+        prompt=prompt,
+        messages=chat,
+        chat_template=body.chat_template,
+    )
+    stream = await gateway.open(deployment, request, caller)
+    return Generation(
+        route=route,
+        stream=stream,
+        model=body.model or deployment.id,
+        include_usage=body.include_usage,
+        created=int(time.time()),
+    )
