@@ -1,0 +1,133 @@
+"""Shared fixtures: real tokenmill servers started as subprocesses, spoken to over HTTP.
+
+``server`` is one gateway with the embedded SmolLM2 model, shared by the session.
+``start_server`` starts others with a config file and environment of the test's own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """A ``tokenmill serve`` subprocess; its log is kept in ``log_path``."""
+
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    data_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def launch(
+    tmp: Path,
+    *,
+    config: str | None = None,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+) -> ServerProcess:
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port)]
+    cmd += ["--data-dir", str(tmp / "data")]
+    if config is not None:
+        cfg = tmp / "tokenmill.toml"
+        cfg.write_text(config)
+        cmd += ["--config", str(cfg)]
+    cmd += args or []
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+    full_env.update(env or {})
+    log_path = tmp / f"server-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = ServerProcess(port, proc, log_path, tmp / "data", env or {})
+    if wait:
+        try:
+            server.wait_ready()
+        except BaseException:
+            server.stop()
+            raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The default gateway: the embedded model, no config, auth off."""
+    srv = launch(tmp_path_factory.mktemp("server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """Start extra servers for one test; all are stopped after it."""
+    started: list[ServerProcess] = []
+
+    def start(**kwargs: object) -> ServerProcess:
+        srv = launch(tmp_path / f"srv{len(started)}", **kwargs)  # type: ignore[arg-type]
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60.0) as client:
+        yield client
