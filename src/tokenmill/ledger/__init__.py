@@ -1,0 +1,52 @@
+"""The books: accounts, hashed API keys, credit holds, receipts and rate limits.
+
+:func:`build_ledger` picks the store from the settings: PostgreSQL for a
+``postgresql://`` URL, otherwise a SQLite file in the data folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import platformdirs
+
+from tokenmill.config import Settings
+from tokenmill.ledger.base import Account, HoldSpec, KeyInfo, Ledger, Receipt
+from tokenmill.ledger.sql import SqlLedger
+
+__all__ = [
+    "Account",
+    "HoldSpec",
+    "KeyInfo",
+    "Ledger",
+    "Receipt",
+    "SqlLedger",
+    "build_ledger",
+    "data_dir",
+    "ledger_from_url",
+]
+
+
+def data_dir(settings: Settings) -> Path:
+    if settings.data_dir is not None:
+        return settings.data_dir
+    return Path(platformdirs.user_data_dir("tokenmill", appauthor=False))
+
+
+def ledger_from_url(url: str) -> SqlLedger:
+    """``postgresql://...`` or ``sqlite:///path/to/file``."""
+    from tokenmill.ledger.backends import PostgresLedger, SqliteLedger
+
+    if url.startswith(("postgresql://", "postgres://")):
+        return PostgresLedger(url)
+    if url.startswith("sqlite:///"):
+        return SqliteLedger(Path(url.removeprefix("sqlite:///")))
+    raise ValueError(f"unsupported ledger URL {url!r}: use postgresql://... or sqlite:///path")
+
+
+def build_ledger(settings: Settings) -> SqlLedger:
+    if settings.ledger:
+        return ledger_from_url(settings.ledger)
+    from tokenmill.ledger.backends import SqliteLedger
+
+    return SqliteLedger(data_dir(settings) / "ledger.sqlite3")

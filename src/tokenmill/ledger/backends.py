@@ -1,0 +1,58 @@
+"""The two stores: SQLite (one file, the default) and PostgreSQL (several gateways)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import psycopg.errors
+
+from tokenmill.ledger.sql import SqlLedger, Tx
+
+
+class SqliteLedger(SqlLedger):
+    """One writer thread: SQLite serializes writes anyway, so more threads only contend.
+
+    ``BEGIN IMMEDIATE`` takes the write lock up front, which makes each hold's
+    read-check-write atomic even against another process on the same file.
+    """
+
+    dialect = "sqlite"
+    begin = "BEGIN IMMEDIATE"
+
+    def __init__(self, path: Path, *, gateway_id: str | None = None) -> None:
+        super().__init__(workers=1, gateway_id=gateway_id)
+        self.path = path
+        self.retryable = (sqlite3.OperationalError,)
+
+    def _connect(self) -> Any:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=10.0
+        )
+        conn.execute("PRAGMA journal_mode = WAL")
+        # WAL + NORMAL: a commit survives a crashed process; only power loss can
+        # lose the last transactions, and costs no fsync per hold.
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        return conn
+
+
+class PostgresLedger(SqlLedger):
+    dialect = "postgresql"
+    lock = " FOR UPDATE"
+    placeholder = "%s"
+    retryable = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+
+    def __init__(self, url: str, *, workers: int = 8, gateway_id: str | None = None) -> None:
+        super().__init__(workers=workers, gateway_id=gateway_id)
+        self.url = url
+
+    def _connect(self) -> Any:
+        # Autocommit, with explicit BEGIN/COMMIT issued by SqlLedger._transact.
+        return psycopg.connect(self.url, autocommit=True, prepare_threshold=None)
+
+    def _migration_lock(self, tx: Tx) -> None:
+        tx.run("SELECT pg_advisory_xact_lock(hashtext(current_schema()))")

@@ -1,0 +1,513 @@
+"""The ledger's logic, written once over DB-API connections for SQLite and PostgreSQL.
+
+Each operation is one short transaction run on a worker thread (the drivers are
+blocking; a thread hop costs tens of microseconds, far less than a commit). Races
+between gateways are settled by the database, not by Python locks:
+
+- a hold locks the account row (``FOR UPDATE`` on PostgreSQL, ``BEGIN IMMEDIATE``
+  on SQLite), checks ``balance - held`` and the key's rate window, and raises
+  ``held`` in the same transaction, so concurrent holds cannot overdraw;
+- a settle deletes the hold row with ``RETURNING``: whoever deletes it (the gateway,
+  or the sweeper after that gateway died) settles, everyone else finds a receipt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from typing import Any, TypeVar
+
+from tokenmill.errors import (
+    AuthenticationError,
+    InsufficientCreditError,
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+)
+from tokenmill.ledger.base import (
+    ANONYMOUS_ACCOUNT,
+    Account,
+    HoldSpec,
+    KeyInfo,
+    Receipt,
+    hash_key,
+    new_id,
+    new_key,
+)
+
+log = logging.getLogger("tokenmill.ledger")
+T = TypeVar("T")
+RATE_WINDOW_S = 60
+_RETRIES = 5
+
+_ACCOUNT_COLS = "id, name, balance, held, unlimited, created"
+_KEY_COLS = "id, account_id, rpm, tpm, created, revoked"
+_RECEIPT_COLS = (
+    "request_id, account_id, key_id, deployment, prompt_tokens, completion_tokens, "
+    "held, charged, finish_reason, created, settled"
+)
+
+
+def _account(row: Sequence[Any]) -> Account:
+    return Account(row[0], row[1], int(row[2]), int(row[3]), bool(row[4]), float(row[5]))
+
+
+def _key(row: Sequence[Any]) -> KeyInfo:
+    return KeyInfo(row[0], row[1], row[2], row[3], float(row[4]), row[5])
+
+
+def _receipt(row: Sequence[Any]) -> Receipt:
+    return Receipt(
+        row[0], row[1], row[2], row[3], int(row[4]), int(row[5]), int(row[6]), int(row[7]),
+        row[8], float(row[9]), float(row[10]),
+    )  # fmt: skip
+
+
+class Tx:
+    """A transaction's cursor with ``?`` placeholders whatever the driver."""
+
+    def __init__(self, conn: Any, placeholder: str) -> None:
+        self._conn = conn
+        self._ph = placeholder
+
+    def run(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        if self._ph != "?":
+            sql = sql.replace("?", self._ph)
+        return self._conn.execute(sql, params)
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        row: Any = self.run(sql, params).fetchone()
+        return row
+
+    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        return list(self.run(sql, params).fetchall())
+
+
+class SqlLedger:
+    """Shared implementation; subclasses connect and name their dialect."""
+
+    dialect = ""
+    begin = "BEGIN"
+    lock = ""  # row-lock suffix for SELECTs of rows about to change
+    placeholder = "?"
+    retryable: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, *, workers: int = 1, gateway_id: str | None = None) -> None:
+        self.gateway_id = gateway_id or f"gw_{uuid.uuid4().hex[:12]}"
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ledger")
+        self._local = threading.local()
+        self._conns: list[Any] = []
+        self._conns_lock = threading.Lock()
+
+    # -- driver specifics ---------------------------------------------------------
+    def _connect(self) -> Any:
+        raise NotImplementedError
+
+    def _migration_lock(self, tx: Tx) -> None:
+        """Serialize migrations between processes starting at once."""
+
+    # -- plumbing -----------------------------------------------------------------
+    def _conn(self) -> Any:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._connect()
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def _transact(self, fn: Callable[[Tx], T]) -> T:
+        conn = self._conn()
+        for attempt in range(_RETRIES):
+            conn.execute(self.begin)
+            try:
+                result = fn(Tx(conn, self.placeholder))
+            except self.retryable:
+                conn.execute("ROLLBACK")
+                if attempt == _RETRIES - 1:
+                    raise
+                time.sleep(0.005 * (attempt + 1))
+                continue
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return result
+        raise AssertionError("unreachable")
+
+    async def _run(self, fn: Callable[[Tx], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._transact, fn)
+
+    async def open(self) -> None:
+        await self._run(self._migrate)
+        now = time.time()
+        await self._run(
+            lambda tx: tx.run(
+                "INSERT INTO accounts (id, name, balance, held, unlimited, created) "
+                "VALUES (?, ?, 0, 0, 1, ?) ON CONFLICT (id) DO NOTHING",
+                (ANONYMOUS_ACCOUNT, ANONYMOUS_ACCOUNT, now),
+            )
+        )
+        await self.heartbeat()
+
+    async def close(self) -> None:
+        try:
+            await self._run(
+                lambda tx: tx.run("DELETE FROM gateways WHERE id = ?", (self.gateway_id,))
+            )
+        except Exception:
+            log.warning("could not unregister gateway %s from the ledger", self.gateway_id)
+
+        def close_all() -> None:
+            with self._conns_lock:
+                for conn in self._conns:
+                    conn.close()
+                self._conns.clear()
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, close_all)
+        self._pool.shutdown(wait=True)
+
+    def _migrate(self, tx: Tx) -> None:
+        self._migration_lock(tx)
+        tx.run(
+            "CREATE TABLE IF NOT EXISTS schema_migrations "
+            "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied DOUBLE PRECISION NOT NULL)"
+        )
+        done = {int(r[0]) for r in tx.all("SELECT version FROM schema_migrations")}
+        folder = resources.files("tokenmill.ledger") / "migrations" / self.dialect
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+            if not entry.name.endswith(".sql"):
+                continue
+            version = int(entry.name.split("_", 1)[0])
+            if version in done:
+                continue
+            text = "\n".join(
+                line for line in entry.read_text().splitlines() if not line.startswith("--")
+            )
+            for statement in text.split(";"):
+                if statement.strip():
+                    tx.run(statement)
+            tx.run(
+                "INSERT INTO schema_migrations (version, name, applied) VALUES (?, ?, ?)",
+                (version, entry.name, time.time()),
+            )
+            log.info("ledger: applied migration %s", entry.name)
+
+    # -- accounts -----------------------------------------------------------------
+    async def create_account(
+        self, name: str, balance: int = 0, *, account_id: str | None = None
+    ) -> Account:
+        if balance < 0:
+            raise InvalidRequestError("'balance' cannot be negative", param="balance")
+        acc = Account(account_id or new_id("acct"), name, balance, 0, False, time.time())
+
+        def tx_fn(tx: Tx) -> Account:
+            if tx.one("SELECT 1 FROM accounts WHERE id = ?", (acc.id,)) is not None:
+                raise InvalidRequestError(f"account {acc.id!r} already exists", param="id")
+            tx.run(
+                "INSERT INTO accounts (id, name, balance, held, unlimited, created) "
+                "VALUES (?, ?, ?, 0, 0, ?)",
+                (acc.id, name, balance, acc.created),
+            )
+            if balance:
+                tx.run(
+                    "INSERT INTO credits (account_id, amount, created) VALUES (?, ?, ?)",
+                    (acc.id, balance, acc.created),
+                )
+            return acc
+
+        return await self._run(tx_fn)
+
+    async def get_account(self, account_id: str) -> Account | None:
+        row = await self._run(
+            lambda tx: tx.one(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
+        )
+        return None if row is None else _account(row)
+
+    async def add_credits(self, account_id: str, amount: int) -> Account:
+        def tx_fn(tx: Tx) -> Account:
+            row = tx.one(
+                f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE id = ?{self.lock}", (account_id,)
+            )
+            if row is None:
+                raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
+            acc = _account(row)
+            if acc.balance + amount < 0:
+                raise InvalidRequestError(
+                    f"cannot remove {-amount} micro-units: the balance is {acc.balance}",
+                    param="amount",
+                )
+            tx.run("UPDATE accounts SET balance = balance + ? WHERE id = ?", (amount, account_id))
+            tx.run(
+                "INSERT INTO credits (account_id, amount, created) VALUES (?, ?, ?)",
+                (account_id, amount, time.time()),
+            )
+            return _account(
+                tx.one(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
+            )
+
+        return await self._run(tx_fn)
+
+    # -- keys ---------------------------------------------------------------------
+    async def create_key(
+        self, account_id: str, *, rpm: int | None = None, tpm: int | None = None
+    ) -> tuple[KeyInfo, str]:
+        plaintext = new_key()
+        info = KeyInfo(new_id("key"), account_id, rpm, tpm, time.time(), None)
+
+        def tx_fn(tx: Tx) -> KeyInfo:
+            if tx.one("SELECT 1 FROM accounts WHERE id = ?", (account_id,)) is None:
+                raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
+            tx.run(
+                "INSERT INTO api_keys (id, account_id, key_hash, rpm, tpm, created) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (info.id, account_id, hash_key(plaintext), rpm, tpm, info.created),
+            )
+            return info
+
+        return await self._run(tx_fn), plaintext
+
+    async def resolve_key(self, plaintext: str) -> KeyInfo | None:
+        digest = hash_key(plaintext)
+        row = await self._run(
+            lambda tx: tx.one(f"SELECT {_KEY_COLS} FROM api_keys WHERE key_hash = ?", (digest,))
+        )
+        return None if row is None else _key(row)
+
+    async def revoke_key(self, key_id: str) -> KeyInfo | None:
+        def tx_fn(tx: Tx) -> KeyInfo | None:
+            tx.run(
+                "UPDATE api_keys SET revoked = ? WHERE id = ? AND revoked IS NULL",
+                (time.time(), key_id),
+            )
+            row = tx.one(f"SELECT {_KEY_COLS} FROM api_keys WHERE id = ?", (key_id,))
+            return None if row is None else _key(row)
+
+        return await self._run(tx_fn)
+
+    # -- holds and settlement -----------------------------------------------------
+    async def hold(self, spec: HoldSpec) -> None:
+        await self._run(functools.partial(self._hold, spec, time.time()))
+
+    def _hold(self, spec: HoldSpec, now: float, tx: Tx) -> None:
+        row = tx.one(
+            f"SELECT balance, held, unlimited FROM accounts WHERE id = ?{self.lock}",
+            (spec.account_id,),
+        )
+        if row is None:
+            raise AuthenticationError("the account of this API key no longer exists")
+        balance, held, unlimited = int(row[0]), int(row[1]), bool(row[2])
+        if (
+            tx.one("SELECT 1 FROM holds WHERE request_id = ?", (spec.request_id,)) is not None
+            or tx.one("SELECT 1 FROM receipts WHERE request_id = ?", (spec.request_id,)) is not None
+        ):
+            raise InvalidRequestError(
+                f"x-request-id {spec.request_id!r} was already used; send a new one",
+                param="x-request-id",
+                code="duplicate_request_id",
+            )
+        window = int(now // RATE_WINDOW_S)
+        if spec.key_id is not None:
+            self._check_key(tx, spec, now, window)
+        if not unlimited:
+            available = balance - held
+            if spec.amount > available:
+                raise InsufficientCreditError(
+                    f"insufficient credit: this request may cost up to {spec.amount} "
+                    f"micro-units ({spec.prompt_tokens} prompt tokens plus max_tokens "
+                    f"{spec.max_tokens}) but the account has {available} available; "
+                    "add credit or lower max_tokens"
+                )
+            tx.run(
+                "UPDATE accounts SET held = held + ? WHERE id = ?", (spec.amount, spec.account_id)
+            )
+        tx.run(
+            "INSERT INTO holds (request_id, account_id, key_id, gateway_id, deployment, "
+            "prompt_tokens, max_tokens, amount, min_charge, rate_window, created) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                spec.request_id, spec.account_id, spec.key_id, self.gateway_id,
+                spec.deployment, spec.prompt_tokens, spec.max_tokens, spec.amount,
+                min(spec.min_charge, spec.amount), window, now,
+            ),
+        )  # fmt: skip
+
+    def _check_key(self, tx: Tx, spec: HoldSpec, now: float, window: int) -> None:
+        key = tx.one("SELECT rpm, tpm, revoked FROM api_keys WHERE id = ?", (spec.key_id,))
+        if key is None or key[2] is not None:
+            raise AuthenticationError("this API key has been revoked")
+        rpm, tpm = key[0], key[1]
+        if rpm is None and tpm is None:
+            return
+        used = tx.one(
+            "SELECT requests, tokens FROM rate_windows WHERE key_id = ? AND rate_window = ?",
+            (spec.key_id, window),
+        )
+        used_requests, used_tokens = (int(used[0]), int(used[1])) if used else (0, 0)
+        retry_after = (window + 1) * RATE_WINDOW_S - now
+        if rpm is not None and used_requests + 1 > rpm:
+            raise OverloadedError(
+                f"rate limit reached: this key may make {rpm} requests per minute",
+                retry_after=retry_after,
+                code="rate_limit_exceeded",
+            )
+        tokens = spec.prompt_tokens + spec.max_tokens
+        if tpm is not None and used_tokens + tokens > tpm:
+            raise OverloadedError(
+                f"rate limit reached: this key may use {tpm} tokens per minute "
+                f"(in flight and used: {used_tokens}; this request: up to {tokens}; "
+                "lower max_tokens or wait)",
+                retry_after=retry_after,
+                code="rate_limit_exceeded",
+            )
+        tx.run(
+            "INSERT INTO rate_windows (key_id, rate_window, requests, tokens) VALUES (?, ?, 1, ?) "
+            "ON CONFLICT (key_id, rate_window) DO UPDATE SET "
+            "requests = rate_windows.requests + 1, tokens = rate_windows.tokens + ?",
+            (spec.key_id, window, tokens, tokens),
+        )
+
+    async def settle(
+        self,
+        request_id: str,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        finish_reason: str,
+        charged: int,
+    ) -> Receipt | None:
+        fn = functools.partial(
+            self._settle, request_id, prompt_tokens, completion_tokens, finish_reason, charged
+        )
+        return await self._run(fn)
+
+    def _settle(
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        finish_reason: str,
+        charged: int,
+        tx: Tx,
+    ) -> Receipt | None:
+        row = tx.one(
+            "DELETE FROM holds WHERE request_id = ? RETURNING account_id, key_id, deployment, "
+            "max_tokens, amount, rate_window, created",
+            (request_id,),
+        )
+        if row is None:  # settled already (or never held): exactly once
+            existing = tx.one(
+                f"SELECT {_RECEIPT_COLS} FROM receipts WHERE request_id = ?", (request_id,)
+            )
+            return None if existing is None else _receipt(existing)
+        account_id, key_id, deployment = row[0], row[1], row[2]
+        max_tokens, amount, window, created = int(row[3]), int(row[4]), int(row[5]), row[6]
+        charged = max(0, min(charged, amount))
+        acc = tx.one(f"SELECT unlimited FROM accounts WHERE id = ?{self.lock}", (account_id,))
+        if acc is not None and not bool(acc[0]):
+            tx.run(
+                "UPDATE accounts SET balance = balance - ?, held = held - ? WHERE id = ?",
+                (charged, amount, account_id),
+            )
+        if key_id is not None:
+            # The window counted prompt + max_tokens in flight; keep only what was used.
+            unused = max(0, max_tokens - completion_tokens)
+            tx.run(
+                "UPDATE rate_windows SET tokens = tokens - ? WHERE key_id = ? AND rate_window = ?",
+                (unused, key_id, window),
+            )
+        receipt = Receipt(
+            request_id, account_id, key_id, deployment, prompt_tokens, completion_tokens,
+            amount, charged, finish_reason, float(created), time.time(),
+        )  # fmt: skip
+        tx.run(
+            f"INSERT INTO receipts ({_RECEIPT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                receipt.request_id, receipt.account_id, receipt.key_id, receipt.deployment,
+                receipt.prompt_tokens, receipt.completion_tokens, receipt.held,
+                receipt.charged, receipt.finish_reason, receipt.created, receipt.settled,
+            ),
+        )  # fmt: skip
+        return receipt
+
+    async def receipt(self, request_id: str) -> Receipt | None:
+        row = await self._run(
+            lambda tx: tx.one(
+                f"SELECT {_RECEIPT_COLS} FROM receipts WHERE request_id = ?", (request_id,)
+            )
+        )
+        return None if row is None else _receipt(row)
+
+    async def usage(self, account_id: str, limit: int = 100) -> list[Receipt]:
+        rows = await self._run(
+            lambda tx: tx.all(
+                f"SELECT {_RECEIPT_COLS} FROM receipts WHERE account_id = ? "
+                "ORDER BY settled DESC LIMIT ?",
+                (account_id, limit),
+            )
+        )
+        return [_receipt(r) for r in rows]
+
+    async def open_holds(self, account_id: str | None = None) -> int:
+        if account_id is None:
+            row = await self._run(lambda tx: tx.one("SELECT COUNT(*) FROM holds"))
+        else:
+            row = await self._run(
+                lambda tx: tx.one("SELECT COUNT(*) FROM holds WHERE account_id = ?", (account_id,))
+            )
+        return int(row[0])
+
+    # -- liveness and the sweeper -------------------------------------------------
+    async def heartbeat(self) -> None:
+        now = time.time()
+        await self._run(
+            lambda tx: tx.run(
+                "INSERT INTO gateways (id, heartbeat) VALUES (?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET heartbeat = ?",
+                (self.gateway_id, now, now),
+            )
+        )
+
+    async def sweep(self, stale_s: float) -> int:
+        """Settle the holds of gateways silent for ``stale_s``: charge the prompt only."""
+        cutoff = time.time() - stale_s
+        stale = await self._run(
+            lambda tx: tx.all(
+                "SELECT h.request_id, h.prompt_tokens, h.min_charge FROM holds h "
+                "LEFT JOIN gateways g ON g.id = h.gateway_id "
+                "WHERE h.gateway_id <> ? AND (g.heartbeat IS NULL OR g.heartbeat < ?)",
+                (self.gateway_id, cutoff),
+            )
+        )
+        swept = 0
+        for request_id, prompt_tokens, min_charge in stale:
+            receipt = await self.settle(
+                request_id,
+                prompt_tokens=int(prompt_tokens),
+                completion_tokens=0,
+                finish_reason="expired",
+                charged=int(min_charge),
+            )
+            if receipt is not None and receipt.finish_reason == "expired":
+                swept += 1
+                log.warning("ledger: settled hold %s of a dead gateway", request_id)
+        old_window = int(time.time() // RATE_WINDOW_S) - 1
+
+        def tidy(tx: Tx) -> None:
+            tx.run(
+                "DELETE FROM gateways WHERE heartbeat < ? AND id <> ? AND NOT EXISTS "
+                "(SELECT 1 FROM holds WHERE holds.gateway_id = gateways.id)",
+                (cutoff, self.gateway_id),
+            )
+            tx.run("DELETE FROM rate_windows WHERE rate_window < ?", (old_window,))
+
+        await self._run(tidy)
+        return swept

@@ -1,0 +1,185 @@
+"""The ledger's behaviour, the same suite on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tokenmill.errors import (
+    AuthenticationError,
+    InsufficientCreditError,
+    InvalidRequestError,
+    OverloadedError,
+)
+from tokenmill.ledger.base import HoldSpec, hash_key
+from tokenmill.ledger.sql import SqlLedger
+
+
+def spec(
+    request_id: str,
+    account: str,
+    amount: int,
+    *,
+    key: str | None = None,
+    prompt: int = 10,
+    max_tokens: int = 20,
+    min_charge: int = 0,
+) -> HoldSpec:
+    return HoldSpec(request_id, account, key, "dep", prompt, max_tokens, amount, min_charge)
+
+
+async def settle(ledger: SqlLedger, rid: str, charged: int, completion: int = 5) -> None:
+    await ledger.settle(
+        rid, prompt_tokens=10, completion_tokens=completion, finish_reason="stop", charged=charged
+    )
+
+
+async def test_hold_then_settle_charges_and_releases(ledger: SqlLedger) -> None:
+    acc = await ledger.create_account("alice", 1000)
+    await ledger.hold(spec("r1", acc.id, 300))
+    after_hold = await ledger.get_account(acc.id)
+    assert after_hold is not None and (after_hold.balance, after_hold.held) == (1000, 300)
+    await settle(ledger, "r1", 120)
+    done = await ledger.get_account(acc.id)
+    assert done is not None and (done.balance, done.held) == (880, 0)
+    receipt = await ledger.receipt("r1")
+    assert receipt is not None
+    assert (receipt.charged, receipt.held, receipt.completion_tokens) == (120, 300, 5)
+    assert await ledger.open_holds(acc.id) == 0
+
+
+async def test_settle_is_exactly_once(ledger: SqlLedger) -> None:
+    acc = await ledger.create_account("bob", 1000)
+    await ledger.hold(spec("r1", acc.id, 500))
+    await asyncio.gather(*(settle(ledger, "r1", 400) for _ in range(10)))
+    await settle(ledger, "r1", 10)  # a late, different settlement changes nothing
+    done = await ledger.get_account(acc.id)
+    assert done is not None and (done.balance, done.held) == (600, 0)
+    assert [r.charged for r in await ledger.usage(acc.id)] == [400]
+
+
+async def test_charge_never_exceeds_the_hold(ledger: SqlLedger) -> None:
+    acc = await ledger.create_account("carol", 100)
+    await ledger.hold(spec("r1", acc.id, 100))
+    await settle(ledger, "r1", 10_000)
+    done = await ledger.get_account(acc.id)
+    assert done is not None and (done.balance, done.held) == (0, 0)
+
+
+async def test_insufficient_credit_counts_open_holds(ledger: SqlLedger) -> None:
+    acc = await ledger.create_account("dave", 100)
+    await ledger.hold(spec("r1", acc.id, 60))
+    with pytest.raises(InsufficientCreditError) as e:
+        await ledger.hold(spec("r2", acc.id, 41))
+    assert e.value.status == 402 and "40 available" in e.value.message
+    await ledger.hold(spec("r3", acc.id, 40))
+    assert await ledger.open_holds(acc.id) == 2
+
+
+async def test_anonymous_is_unlimited_but_recorded(ledger: SqlLedger) -> None:
+    await ledger.hold(spec("r1", "anonymous", 10**12))
+    await settle(ledger, "r1", 10**11)
+    receipt = await ledger.receipt("r1")
+    assert receipt is not None and receipt.charged == 10**11
+    anon = await ledger.get_account("anonymous")
+    assert anon is not None and anon.unlimited and anon.balance == 0 and anon.held == 0
+
+
+async def test_duplicate_request_id_is_refused(ledger: SqlLedger) -> None:
+    acc = await ledger.create_account("erin", 100)
+    await ledger.hold(spec("r1", acc.id, 10))
+    await settle(ledger, "r1", 10)
+    with pytest.raises(InvalidRequestError):
+        await ledger.hold(spec("r1", acc.id, 10))
+
+
+async def test_concurrent_holds_cannot_overdraw(
+    make_ledger: Callable[[], SqlLedger],
+) -> None:
+    # Two ledgers = two gateways' connections, racing 200 holds on one account.
+    a, b = make_ledger(), make_ledger()
+    await a.open()
+    await b.open()
+    acc = await a.create_account("frank", 1000)
+
+    async def try_hold(i: int) -> bool:
+        try:
+            await (a if i % 2 else b).hold(spec(f"r{i}", acc.id, 7))
+            return True
+        except InsufficientCreditError:
+            return False
+
+    results = await asyncio.gather(*(try_hold(i) for i in range(200)))
+    assert sum(results) == 1000 // 7
+    state = await a.get_account(acc.id)
+    assert state is not None and state.held == 7 * (1000 // 7) <= state.balance
+    # Settle them all concurrently too, from both sides: the books still balance.
+    held = [i for i, ok in enumerate(results) if ok]
+    await asyncio.gather(*(settle(a if i % 3 else b, f"r{i}", 5) for i in held))
+    done = await a.get_account(acc.id)
+    assert done is not None and done.held == 0 and done.balance == 1000 - 5 * len(held)
+
+
+async def test_keys_are_stored_as_hashes_and_revocable(ledger: SqlLedger) -> None:
+    acc = await ledger.create_account("gina", 0)
+    info, plaintext = await ledger.create_key(acc.id)
+    assert plaintext.startswith("tm-") and len(plaintext) > 40
+    resolved = await ledger.resolve_key(plaintext)
+    assert resolved is not None and resolved.id == info.id and resolved.revoked is None
+    assert await ledger.resolve_key(plaintext + "x") is None
+    rows = await ledger._run(lambda tx: tx.all("SELECT key_hash FROM api_keys"))
+    assert rows == [(hash_key(plaintext),)]
+    revoked = await ledger.revoke_key(info.id)
+    assert revoked is not None and revoked.revoked is not None
+    with pytest.raises(AuthenticationError):
+        await ledger.hold(spec("r1", acc.id, 0, key=info.id))
+
+
+async def test_rate_limits_count_held_tokens(ledger: SqlLedger) -> None:
+    acc = await ledger.create_account("hank", 10**6)
+    info, _ = await ledger.create_key(acc.id, rpm=3, tpm=100)
+    # Two in-flight requests of 10 + 30 tokens each: the third would pass 100.
+    await ledger.hold(spec("r1", acc.id, 1, key=info.id, prompt=10, max_tokens=30))
+    await ledger.hold(spec("r2", acc.id, 1, key=info.id, prompt=10, max_tokens=30))
+    with pytest.raises(OverloadedError) as e:
+        await ledger.hold(spec("r3", acc.id, 1, key=info.id, prompt=10, max_tokens=30))
+    assert e.value.status == 429 and 0 < e.value.retry_after <= 60
+    assert e.value.headers()["Retry-After"].isdigit()
+    # r1 used only 5 of its 30: the unused tokens return to the window.
+    await settle(ledger, "r1", 1, completion=5)
+    if int(time.time() // 60) == int((time.time() + 0.5) // 60):
+        await ledger.hold(spec("r4", acc.id, 1, key=info.id, prompt=10, max_tokens=30))
+        with pytest.raises(OverloadedError, match="requests per minute"):
+            await ledger.hold(spec("r5", acc.id, 1, key=info.id, prompt=1, max_tokens=1))
+
+
+async def test_sweeper_settles_holds_of_a_dead_gateway(
+    make_ledger: Callable[[], SqlLedger],
+) -> None:
+    dead, alive = make_ledger(), make_ledger()
+    await dead.open()
+    await alive.open()
+    acc = await dead.create_account("ivan", 1000)
+    await dead.hold(spec("r1", acc.id, 500, min_charge=30))
+    await alive.hold(spec("r2", acc.id, 100))
+    # The live gateway's own beat is fresh: nothing of a live gateway is swept.
+    assert await alive.sweep(stale_s=30) == 0
+    # ``dead`` stops beating (it crashed); once stale, ``alive`` settles its hold.
+    await asyncio.sleep(0.2)
+    await alive.heartbeat()
+    assert await alive.sweep(stale_s=0.1) == 1
+    receipt = await alive.receipt("r1")
+    assert receipt is not None and receipt.finish_reason == "expired" and receipt.charged == 30
+    state = await alive.get_account(acc.id)
+    assert state is not None and (state.balance, state.held) == (970, 100)
+    assert await alive.open_holds() == 1  # r2 belongs to the live gateway
+
+
+async def test_migrations_are_applied_once(make_ledger: Callable[[], SqlLedger]) -> None:
+    first, second = make_ledger(), make_ledger()
+    await asyncio.gather(first.open(), second.open())
+    rows = await first._run(lambda tx: tx.all("SELECT version FROM schema_migrations"))
+    assert rows == [(1,)]
