@@ -1,0 +1,246 @@
+"""Prometheus metrics: a gateway :class:`~tokenmill.gateway.core.Observer` plus gauges.
+
+Counters and histograms are fed by the gateway's observer hooks, so they count what
+the gateway itself settled: ``tokenmill_generation_tokens_total`` moves by exactly
+the ``completion_tokens`` of every request, including streams whose client left
+(those tokens were produced and are paid for). Gauges (running, waiting, KV cache)
+are read from the deployments when Prometheus scrapes, so they cost nothing between
+scrapes. Names follow vLLM's (``vllm:`` becomes ``tokenmill_``) and every series has
+a ``deployment`` label.
+
+Each :class:`GatewayMetrics` owns its own :class:`CollectorRegistry`: several apps
+in one process (tests, embedded use) never clash on the global registry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenmill.gateway.core import Gateway, RequestRecord
+
+log = logging.getLogger("tokenmill.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's bucket boundaries, so dashboards built for vLLM read these unchanged.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+QUEUE_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass(slots=True)
+class _Bound:
+    """One deployment's metric children, bound once so the hot path skips ``labels()``."""
+
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue: Histogram
+    prompt: Counter
+    generation: Counter
+    spend: Counter
+
+
+class GatewayMetrics:
+    """Observer feeding Prometheus metrics; attach with ``gateway.observers.append``."""
+
+    def __init__(self, gateway: Gateway, registry: CollectorRegistry | None = None) -> None:
+        self.gateway = gateway
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram(
+            "tokenmill_time_to_first_token_seconds",
+            "Time from arrival to the first token, in seconds.",
+            ["deployment"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tokenmill_inter_token_latency_seconds",
+            "Time between successive streamed text chunks of one request, in seconds.",
+            ["deployment"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tokenmill_e2e_request_latency_seconds",
+            "Time from arrival to the end of the request, in seconds.",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "tokenmill_request_queue_time_seconds",
+            "Time a request waited in the admission queue, in seconds.",
+            ["deployment"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        # prometheus_client appends the ``_total`` suffix to counters itself.
+        self.prompt = Counter(
+            "tokenmill_prompt_tokens",
+            "Prompt tokens of admitted requests.",
+            ["deployment"],
+            registry=r,
+        )
+        self.generation = Counter(
+            "tokenmill_generation_tokens",
+            "Tokens generated, including those of requests whose client left.",
+            ["deployment"],
+            registry=r,
+        )
+        self.success = Counter(
+            "tokenmill_request_success",
+            "Requests that ended without error, by finish reason (abort: client left).",
+            ["deployment", "finished_reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "tokenmill_request_errors",
+            "Requests that failed or were refused, by OpenAI error code.",
+            ["deployment", "code"],
+            registry=r,
+        )
+        self.spend = Counter(
+            "tokenmill_spend",
+            "Amount charged, in micro-units of the price currency.",
+            ["deployment"],
+            registry=r,
+        )
+        self.registry.register(_LoadCollector(gateway))
+        self._bound: dict[str, _Bound] = {}
+        # request id -> monotonic time of its previous text chunk (inter-token latency).
+        self._last_chunk: dict[str, float] = {}
+        for name in gateway.deployments:
+            self._bind(name)
+
+    def _bind(self, deployment: str) -> _Bound:
+        b = self._bound.get(deployment)
+        if b is None:
+            b = _Bound(
+                ttft=self.ttft.labels(deployment),
+                itl=self.itl.labels(deployment),
+                e2e=self.e2e.labels(deployment),
+                queue=self.queue.labels(deployment),
+                prompt=self.prompt.labels(deployment),
+                generation=self.generation.labels(deployment),
+                spend=self.spend.labels(deployment),
+            )
+            self._bound[deployment] = b
+        return b
+
+    # -- Observer ---------------------------------------------------------------------
+
+    def on_start(self, record: RequestRecord) -> None:
+        try:
+            self._bind(record.deployment).queue.observe(record.queue_s)
+        except Exception:  # an observer must never break a request
+            log.exception("metrics: on_start failed")
+
+    def on_tokens(self, record: RequestRecord, now: float) -> None:
+        # The hot path: one dict lookup, one store, one histogram observe.
+        rid = record.request_id
+        last = self._last_chunk.get(rid)
+        self._last_chunk[rid] = now
+        if last is not None:
+            b = self._bound.get(record.deployment)
+            if b is not None:
+                b.itl.observe(now - last)
+
+    def on_finish(self, record: RequestRecord) -> None:
+        try:
+            self._finish(record)
+        except Exception:
+            log.exception("metrics: on_finish failed")
+
+    def _finish(self, record: RequestRecord) -> None:
+        self._last_chunk.pop(record.request_id, None)
+        b = self._bind(record.deployment)
+        if record.status == "rejected":
+            # Refused before generation (queue full, no credit): nothing ran.
+            self.errors.labels(record.deployment, record.error_code or "unknown").inc()
+            return
+        b.prompt.inc(record.prompt_tokens)
+        b.generation.inc(record.completion_tokens)
+        if record.charged:
+            b.spend.inc(record.charged)
+        b.e2e.observe(record.duration_s)
+        if record.ttft_s is not None:
+            b.ttft.observe(record.ttft_s)
+        if record.status == "error":
+            self.errors.labels(record.deployment, record.error_code or "engine_error").inc()
+        else:
+            self.success.labels(record.deployment, record.finish_reason).inc()
+
+    # -- exposition -------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class _LoadCollector(Collector):
+    """Gauges read from the deployments at scrape time."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        for dep_id, dep in self.gateway.deployments.items():
+            running = waiting = 0
+            usage: list[float] = []
+            for replica in dep.replicas:
+                try:
+                    h = replica.engine.health()
+                except Exception:  # an unloaded or crashed replica: nothing to report
+                    continue
+                running += h.running
+                waiting += h.waiting
+                if h.ready:
+                    usage.append(h.kv_cache_usage)
+            # Requests queued in admission wait just like those in the engines' inboxes.
+            waiting += dep.admission.waiting
+            families[0].add_metric([dep_id], running)
+            families[1].add_metric([dep_id], waiting)
+            families[2].add_metric([dep_id], sum(usage) / len(usage) if usage else 0.0)
+        yield from families
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(
+                "tokenmill_num_requests_running",
+                "Requests generating on the deployment's replicas.",
+                labels=["deployment"],
+            ),
+            GaugeMetricFamily(
+                "tokenmill_num_requests_waiting",
+                "Requests admitted or queued but not yet generating.",
+                labels=["deployment"],
+            ),
+            GaugeMetricFamily(
+                "tokenmill_kv_cache_usage_perc",
+                "Fraction of KV cache in use (0 to 1), averaged over ready replicas.",
+                labels=["deployment"],
+            ),
+        ]
