@@ -268,6 +268,10 @@ class Gateway:
             deployment.admission.release()
             record.status = "rejected"
             record.error_code = getattr(e, "code", None)
+            # Refusals (429, no credit) are what error metrics are for: observers see
+            # them via on_finish with status "rejected" (on_start was never called).
+            for o in self.observers:
+                o.on_finish(record)
             self._log(record)
             raise
         stream = RequestStream(self, deployment, replica, request, hold, record)

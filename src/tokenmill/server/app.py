@@ -13,17 +13,21 @@ import logging
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.config import Settings
 from tokenmill.errors import NotFoundError, TokenmillError
 from tokenmill.gateway.core import Gateway, new_request_id
 from tokenmill.gateway.metering import ANONYMOUS
+from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenmill.server.errors import error_response, handle_tokenmill_error, handle_unexpected
 from tokenmill.server.routes import router
 
@@ -31,6 +35,8 @@ log = logging.getLogger("tokenmill.server")
 
 # Client-supplied request ids are echoed back and logged: keep them short and tame.
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# The web playground's static files, shipped as package data.
+PLAYGROUND_DIR = Path(__file__).resolve().parent.parent / "playground"
 # Open streams get this long to finish at shutdown before they are aborted.
 DRAIN_S = 10.0
 
@@ -95,6 +101,10 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
         redoc_url=None,
     )
     app.state.gateway = gw
+    # Per-app registry: several apps in one process never clash on the global one.
+    metrics = GatewayMetrics(gw)
+    gw.observers.append(metrics)
+    app.state.metrics = metrics
     app.state.settings = settings
     app.state.load_error = False
     app.add_exception_handler(TokenmillError, handle_tokenmill_error)
@@ -122,6 +132,17 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     @app.get("/v1/health")
     async def health_detail() -> dict[str, Any]:
         return {"ready": gw.ready, "deployments": gw.stats()}
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/", include_in_schema=False)
+    async def playground() -> FileResponse:
+        return FileResponse(PLAYGROUND_DIR / "index.html", headers={"cache-control": "no-cache"})
+
+    # Assets under /playground/ only, so the playground never shadows an API path.
+    app.mount("/playground", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
     app.include_router(router)
     app.add_middleware(RequestContext)
