@@ -23,6 +23,8 @@ serve: install
 	$(BIN)/tokenmill serve
 
 test: install
+	# The playground tests drive Debian's chromium (Playwright's browser download fails here).
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 lint: install
