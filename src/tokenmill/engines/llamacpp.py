@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ctypes
 import logging
 import os
@@ -398,9 +399,9 @@ class LlamaCppEngine:
                 for seq in admitted:
                     self._assign(seq)
                 for rid in aborts:
-                    seq = self._running.get(rid)
-                    if seq is not None:
-                        self._finish(seq, "abort", events)
+                    running = self._running.get(rid)
+                    if running is not None:
+                        self._finish(running, "abort", events)
                     else:
                         self._drop_queued(rid, events)
                 if self._running:
@@ -597,10 +598,8 @@ class LlamaCppEngine:
             for seq, item in events:
                 seq.deliver(item)
 
-        try:
+        with contextlib.suppress(RuntimeError):  # loop closed during shutdown
             loop.call_soon_threadsafe(deliver)
-        except RuntimeError:  # loop closed during shutdown
-            pass
 
 
 def _batch_add(batch: Any, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
@@ -628,9 +627,8 @@ def _silence_llama_logs() -> None:
     if os.environ.get("TOKENMILL_LLAMA_LOG") or _log_callback is not None:
         return
 
-    @ll.llama_log_callback
     def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
         return None
 
-    _log_callback = _quiet
-    ll.llama_log_set(_quiet, ctypes.c_void_p(0))
+    _log_callback = ll.llama_log_callback(_quiet)
+    ll.llama_log_set(_log_callback, ctypes.c_void_p(0))

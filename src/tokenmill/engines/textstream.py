@@ -53,11 +53,16 @@ class TextStream:
         return pending[: len(pending) - hold]
 
     def finish(self) -> str:
-        """End of generation: flush what was held back (no stop string can follow)."""
+        """End of generation: flush what was held back (no stop string can follow).
+
+        Bytes of a character the model never completed (cut by ``max_tokens``) are
+        dropped rather than turned into a replacement character.
+        """
         if self.stopped:
             return ""
-        text = self._pending + self._decoder.decode(b"", final=True)
+        text = self._pending
         self._pending = ""
+        self._decoder.reset()
         return text
 
     def _held_tail(self, text: str) -> int:

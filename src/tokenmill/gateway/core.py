@@ -207,7 +207,7 @@ class Gateway:
         """Drain: let open streams finish up to ``drain_s``, abort the rest, close engines."""
         self.ready = False
         deadline = time.monotonic() + drain_s
-        while self._open and time.monotonic() < deadline:
+        while self._open and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded poll
             await asyncio.sleep(0.05)
         for stream in list(self._open):
             log.warning("aborting %s at shutdown", stream.request_id)

@@ -133,9 +133,8 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _single_prompt(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list):
-            if len(v) != 1:
-                raise ValueError("exactly one prompt is supported per request")
+        if isinstance(v, list) and len(v) != 1:
+            raise ValueError("exactly one prompt is supported per request")
         return v
 
     @property
@@ -164,5 +163,14 @@ class PredictRequest(SamplingFields):
 
 def error_param(loc: tuple[Any, ...]) -> str | None:
     """The OpenAI ``param`` for a pydantic error location, e.g. ``messages.0.role``."""
-    parts = [str(p) for p in loc if p != "body"]
+    parts: list[str] = []
+    for p in loc:
+        text = str(p)
+        # Union members show up in locations as type tags ("str", "list[str]").
+        if text in _TYPE_TAGS or "[" in text or text == "body":
+            continue
+        parts.append(text)
     return ".".join(parts) if parts else None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})

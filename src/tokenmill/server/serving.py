@@ -91,9 +91,11 @@ class Generation:
                     yield self._text_frame("", _public_reason(chunk.finish_reason))
             if self.include_usage:
                 usage = usage_body(self.stream.usage, self.stream.prompt_tokens)
-                frame = {
+                frame: dict[str, Any] = {
                     "id": self.response_id,
-                    "object": "chat.completion.chunk" if self.route == "chat" else "text_completion",
+                    "object": "chat.completion.chunk"
+                    if self.route == "chat"
+                    else "text_completion",
                     "created": self.created,
                     "model": self.model,
                     "choices": [],

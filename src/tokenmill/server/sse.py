@@ -42,8 +42,7 @@ async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
 class EventStreamResponse(Response):
     """An ASGI response streaming ``events`` (already-encoded SSE frames)."""
 
-    def __init__(  # noqa: D107 - Response.__init__ would render a body; there is none
-
+    def __init__(
         self,
         events: AsyncIterator[bytes],
         on_close: Callable[[], Awaitable[None]],
