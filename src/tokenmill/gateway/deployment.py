@@ -52,10 +52,16 @@ class Replica:
     def describe(self) -> dict[str, Any]:
         h = self.engine.health()
         pid = getattr(self.engine, "pid", None)
+        state: str = self.state
+        if state == "ready" and not h.ready:
+            # A process replica between a crash and its restart says which it is.
+            state = getattr(self.engine, "state", "unhealthy")
+            if state == "ready":
+                state = "unhealthy"
         return {
             "index": self.index,
             "pid": pid,
-            "state": self.state if h.ready or self.state != "ready" else "unhealthy",
+            "state": state,
             "in_flight": self.in_flight,
             "queued": h.waiting,
             "slots": self.slots,

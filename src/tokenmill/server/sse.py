@@ -85,6 +85,13 @@ async def run_until_disconnect(
             tg.start_soon(_watch_disconnect, receive, tg.cancel_scope)
             result.append(await work())
             tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # anyio wraps the work's exception (a replica died: EngineError) in a group;
+        # the error handlers map the bare exception to its status (502), not a 500.
+        inner: BaseException = group
+        while isinstance(inner, BaseExceptionGroup) and len(inner.exceptions) == 1:
+            inner = inner.exceptions[0]
+        raise inner from None
     finally:
         with anyio.CancelScope(shield=True):
             await on_close()

@@ -1,0 +1,308 @@
+"""Upstream engine: any OpenAI-compatible endpoint (llama-server, vLLM, another tokenmill).
+
+Chat requests (``messages``) go to ``{url}/chat/completions``, text prompts to
+``{url}/completions``, always streamed, with ``stream_options.include_usage`` so the
+upstream reports what it really counted. Each SSE chunk's text is yielded the moment
+it arrives; nothing is buffered.
+
+Retries: connect errors and 5xx answers are retried with backoff, but only before
+the upstream's first chunk (so before a byte of the completion reached the client);
+after that a failure ends the stream with :class:`EngineError`.
+
+Token counts. An OpenAI-compatible API cannot tokenize without generating, so
+:meth:`UpstreamEngine.prepare` *estimates* the prompt (about 4 characters per token
+plus a few tokens per chat message) for admission and the credit hold, and never
+refuses a prompt as too long: the upstream enforces its own window. The usage
+that is billed comes from the upstream's final usage chunk; when an upstream sends
+none, prompt tokens stay the estimate and completion tokens are the number of
+content chunks received (servers that stream send one token per chunk), at least
+the character estimate of the text. ``context_length`` is the deployment's
+``n_ctx``: the window assumed when a client sends no ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tokenmill.config import DeploymentConfig
+from tokenmill.engines.base import (
+    Chunk,
+    EngineHealth,
+    FinishReason,
+    GenerationRequest,
+    PromptInfo,
+    Usage,
+)
+from tokenmill.errors import (
+    ContextLengthError,
+    EngineError,
+    InvalidRequestError,
+    OverloadedError,
+    TokenmillError,
+    UnavailableError,
+)
+
+log = logging.getLogger("tokenmill.engines.upstream")
+
+# Retries before the first byte: 3 more attempts after 0.25 s, 0.5 s, 1 s (+ jitter).
+MAX_RETRIES = 3
+RETRY_BASE_S = 0.25
+CONNECT_TIMEOUT_S = 10.0
+CHARS_PER_TOKEN = 4
+TOKENS_PER_MESSAGE = 4
+# Final usage of recently ended requests, for abort() calls that arrive after the end.
+RECENT = 1024
+
+
+def estimate_tokens(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def estimate_prompt(request: GenerationRequest) -> int:
+    if request.prompt is not None:
+        return max(1, estimate_tokens(request.prompt))
+    assert request.messages is not None
+    return max(
+        1, sum(TOKENS_PER_MESSAGE + estimate_tokens(m.content) for m in request.messages) + 2
+    )
+
+
+@dataclass
+class _Running:
+    prompt_tokens: int
+    chunks: int = 0
+    chars: int = 0
+    response: httpx.Response | None = None
+    aborted: bool = False
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, max(self.chunks, math.ceil(self.chars / CHARS_PER_TOKEN)))
+
+
+class UpstreamEngine:
+    """Proxy to an OpenAI-compatible server. See the module docstring."""
+
+    name = "upstream"
+
+    def __init__(self, config: DeploymentConfig) -> None:
+        assert config.url is not None
+        self.config = config
+        self.url = config.url.rstrip("/")
+        self.model = config.upstream_model or config.id
+        self.slots = config.max_num_seqs
+        headers = {"accept": "text/event-stream", **config.headers}
+        if config.api_key:
+            headers["authorization"] = f"Bearer {config.api_key}"
+        self._headers = headers
+        self._client: httpx.AsyncClient | None = None
+        self._running: dict[str, _Running] = {}
+        self._recent: OrderedDict[str, Usage] = OrderedDict()
+        self.tokens_generated = 0
+        self.failures = 0
+
+    async def start(self) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                headers=self._headers,
+                timeout=httpx.Timeout(
+                    self.config.timeout_s, connect=min(CONNECT_TIMEOUT_S, self.config.timeout_s)
+                ),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=self.slots),
+            )
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        for r in self._running.values():
+            r.aborted = True
+        if client is not None:
+            await client.aclose()
+
+    async def prepare(self, request: GenerationRequest) -> PromptInfo:
+        if self._client is None:
+            await self.start()
+        return PromptInfo(estimate_prompt(request), self.config.n_ctx)
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(
+            ready=self._client is not None,
+            slots=self.slots,
+            running=len(self._running),
+            tokens_generated=self.tokens_generated,
+            detail={"url": self.url, "failures": self.failures},
+        )
+
+    def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
+        s = request.sampling
+        body: dict[str, Any] = {
+            "model": self.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+        }
+        if s.max_tokens > 0:
+            body["max_tokens"] = s.max_tokens
+        if s.stop:
+            body["stop"] = list(s.stop)
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.frequency_penalty:
+            body["frequency_penalty"] = s.frequency_penalty
+        if s.presence_penalty:
+            body["presence_penalty"] = s.presence_penalty
+        # Not in OpenAI's API; llama-server, vLLM and tokenmill take them. Sent only
+        # when asked for, so strict upstreams never see them.
+        if s.top_k:
+            body["top_k"] = s.top_k
+        if s.min_p:
+            body["min_p"] = s.min_p
+        if s.repetition_penalty != 1.0:
+            body["repetition_penalty"] = s.repetition_penalty
+        if request.messages is not None:
+            body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+            return "/chat/completions", body
+        body["prompt"] = request.prompt
+        return "/completions", body
+
+    async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """Send the request; retry connect errors and 5xx (nothing was streamed yet)."""
+        if self._client is None:
+            await self.start()
+        assert self._client is not None
+        attempt = 0
+        while True:
+            req = self._client.build_request("POST", self.url + path, json=body)
+            try:
+                resp = await self._client.send(req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                if attempt >= MAX_RETRIES:
+                    self.failures += 1
+                    raise EngineError(f"the upstream {self.url} is unreachable: {e}") from None
+            except httpx.HTTPError as e:
+                self.failures += 1
+                raise EngineError(f"the upstream request failed: {type(e).__name__}") from None
+            else:
+                if resp.status_code < 500 or attempt >= MAX_RETRIES:
+                    if resp.status_code >= 400:
+                        raise await self._error(resp)
+                    return resp
+                await resp.aclose()
+            delay = RETRY_BASE_S * (2**attempt) * (1 + random.random() / 2)
+            log.warning("upstream %s failed; retry %d in %.2fs", self.url, attempt + 1, delay)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _error(self, resp: httpx.Response) -> TokenmillError:
+        try:
+            raw = await resp.aread()
+        finally:
+            await resp.aclose()
+        message = raw.decode("utf-8", "replace")[:500]
+        param = code = None
+        try:
+            err = json.loads(raw)["error"]
+            message, param, code = str(err.get("message")), err.get("param"), err.get("code")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
+        status = resp.status_code
+        self.failures += status >= 500
+        if status == 429:
+            retry = resp.headers.get("retry-after", "1")
+            return OverloadedError(
+                f"the upstream is overloaded: {message}",
+                retry_after=float(retry) if retry.replace(".", "", 1).isdigit() else 1.0,
+            )
+        if status == 400 and code == "context_length_exceeded":
+            return ContextLengthError(message, param=param)
+        if status in (400, 422):
+            return InvalidRequestError(f"the upstream refused the request: {message}", param=param)
+        if status == 503:
+            return UnavailableError(f"the upstream is unavailable: {message}")
+        # 401/403/404 mean the deployment is misconfigured, not that the client erred.
+        return EngineError(f"the upstream answered {status}: {message}")
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        rid = request.request_id
+        path, body = self._body(request)
+        state = _Running(prompt_tokens=estimate_prompt(request))
+        self._running[rid] = state
+        finish: FinishReason | None = None
+        usage: Usage | None = None
+        try:
+            resp = await self._open(path, body)
+            state.response = resp
+            try:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        err = event["error"]
+                        msg = err.get("message") if isinstance(err, dict) else err
+                        raise EngineError(f"the upstream failed mid-stream: {msg}")
+                    if event.get("usage"):
+                        u = event["usage"]
+                        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                        usage = Usage(
+                            int(u.get("prompt_tokens") or 0),
+                            int(u.get("completion_tokens") or 0),
+                            int(cached),
+                        )
+                    for choice in event.get("choices") or ():
+                        text = _choice_text(choice)
+                        if text:
+                            state.chunks += 1
+                            state.chars += len(text)
+                            self.tokens_generated += 1
+                            yield Chunk(text)
+                        if choice.get("finish_reason"):
+                            finish = "length" if choice["finish_reason"] == "length" else "stop"
+            except httpx.HTTPError as e:
+                if state.aborted:
+                    return
+                raise EngineError(
+                    f"the upstream connection failed mid-stream: {type(e).__name__}"
+                ) from None
+            finally:
+                await resp.aclose()
+            if state.aborted:
+                return
+            # The finish chunk comes before the usage chunk: it is sent once both are in.
+            yield Chunk("", finish or "stop", usage or state.usage())
+        except json.JSONDecodeError:
+            raise EngineError("the upstream sent a malformed event") from None
+        finally:
+            self._running.pop(rid, None)
+            self._recent[rid] = usage or state.usage()
+            while len(self._recent) > RECENT:
+                self._recent.popitem(last=False)
+
+    async def abort(self, request_id: str) -> Usage | None:
+        """Close the upstream request (the upstream sees a disconnect and stops)."""
+        state = self._running.get(request_id)
+        if state is None:
+            return self._recent.pop(request_id, None)
+        state.aborted = True
+        if state.response is not None:
+            await state.response.aclose()
+        return state.usage()
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return str(delta.get("content") or "")
+    return str(choice.get("text") or "")
