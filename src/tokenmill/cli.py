@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--config", type=Path, help="a tokenmill.toml file")
     serve.add_argument("--data-dir", type=Path, help="where the ledger and state live")
+    serve.add_argument(
+        "--ledger", help="postgresql://... to share the books between gateways (default: SQLite)"
+    )
     serve.add_argument("--model", type=Path, help="serve this GGUF file instead of the default")
     serve.add_argument(
         "--name", help=f"deployment id for --model (default: file stem; '{DEFAULT_DEPLOYMENT_ID}')"

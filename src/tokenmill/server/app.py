@@ -27,7 +27,11 @@ from tokenmill.config import Settings
 from tokenmill.errors import NotFoundError, TokenmillError
 from tokenmill.gateway.core import Gateway, new_request_id
 from tokenmill.gateway.metering import ANONYMOUS
+from tokenmill.ledger import build_ledger
+from tokenmill.ledger.meter import LedgerMeter
 from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
+from tokenmill.server.admin import router as admin_router
+from tokenmill.server.auth import Auth, KeyCache
 from tokenmill.server.errors import error_response, handle_tokenmill_error, handle_unexpected
 from tokenmill.server.routes import router
 
@@ -74,7 +78,10 @@ class RequestContext:
 
 
 def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
-    gw = gateway or Gateway(settings)
+    ledger = build_ledger(settings)
+    meter = LedgerMeter(ledger, {d.id: d.price for d in settings.deployments})
+    # A gateway handed in keeps its own meter; the ledger still serves the admin API.
+    gw = gateway or Gateway(settings, meter=meter)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -86,6 +93,9 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
                 log.exception("a deployment failed to start")
                 app.state.load_error = True
 
+        # The books open before any request can be admitted, and close after the last.
+        await ledger.open()
+        await meter.start()
         loader = asyncio.create_task(load())
         app.state.loader = loader
         try:
@@ -93,6 +103,8 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
         finally:
             loader.cancel()
             await gw.close(DRAIN_S)
+            await meter.close()
+            await ledger.close()
 
     app = FastAPI(
         title="tokenmill",
@@ -106,6 +118,8 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     gw.observers.append(metrics)
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.ledger = ledger
+    app.state.key_cache = KeyCache(ledger)
     app.state.load_error = False
     app.add_exception_handler(TokenmillError, handle_tokenmill_error)
     app.add_exception_handler(Exception, handle_unexpected)
@@ -145,5 +159,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     app.mount("/playground", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
     app.include_router(router)
+    app.include_router(admin_router)
+    app.add_middleware(Auth, admin_key=settings.admin_key, keys=app.state.key_cache)
     app.add_middleware(RequestContext)
     return app
