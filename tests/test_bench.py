@@ -1,0 +1,85 @@
+"""``tokenmill bench`` against the real gateway: the load generator's figures add up."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from tests.conftest import ServerProcess
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "tokenmill", "bench", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+
+
+def test_bench_json_against_the_gateway(server: ServerProcess) -> None:
+    out = run_bench(
+        server.url,
+        "--model",
+        "smollm2",
+        "--concurrency",
+        "2",
+        "--requests",
+        "4",
+        "--max-tokens",
+        "8",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout  # one JSON object, the progress bar went to stderr
+    report = json.loads(lines[0])
+
+    assert report["errors"] == 0, report["error_samples"]
+    assert report["completed"] == 4
+    assert report["concurrency"] == 2
+    # Every request asked for exactly 8 tokens; tokenmill reports usage, which is counted.
+    assert report["usage_reported"] == 4
+    assert 4 <= report["output_tokens"] <= 32
+    assert 1 <= report["tokens_per_request"]["min"] <= report["tokens_per_request"]["max"] <= 8
+    assert report["output_tokens_per_s"] > 0
+    assert report["requests_per_s"] > 0
+    wall = report["wall_s"]
+    assert report["output_tokens_per_s"] == round(report["output_tokens"] / wall, 2)
+    ttft = report["ttft_ms"]
+    assert 0 < ttft["p50"] <= ttft["p95"] <= ttft["p99"] < wall * 1000
+    itl = report["itl_ms"]
+    assert not math.isnan(itl["p50"])
+    assert 0 <= itl["p50"] <= itl["p99"]
+    assert report["latency_ms"]["p50"] >= ttft["p50"]
+
+
+def test_bench_counts_errors(server: ServerProcess) -> None:
+    # An unknown model: every request fails with the server's own error message.
+    out = run_bench(
+        server.url + "/v1",
+        "--model",
+        "no-such-model",
+        "--concurrency",
+        "2",
+        "--requests",
+        "3",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--no-progress",
+    )
+    assert out.returncode == 1
+    report = json.loads(out.stdout)
+    assert report["errors"] == 3
+    assert report["completed"] == 0
+    assert report["output_tokens"] == 0
+    assert report["error_samples"][0].startswith("HTTP 404")
+
+
+def test_bench_human_report(server: ServerProcess) -> None:
+    out = run_bench(
+        server.url, "--model", "smollm2", "-c", "1", "-n", "1", "--max-tokens", "4", "--no-progress"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "output tokens/s" in out.stdout
+    assert "TTFT ms" in out.stdout
+    assert "errors 0" in out.stdout
