@@ -19,6 +19,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -151,6 +152,12 @@ def memory_mb(pid: int) -> dict[str, float]:
     }
 
 
+def kv_cache_mb(llama_server_log: Path) -> float:
+    """The KV cache size llama-server logged; tokenmill's is the same (same cells, same types)."""
+    text = llama_server_log.read_text(errors="replace")
+    return round(sum(float(m) for m in re.findall(r"KV buffer size\s*=\s*([\d.]+) MiB", text)), 1)
+
+
 # -- load ------------------------------------------------------------------------------
 
 
@@ -232,7 +239,8 @@ def profile(server: Server, max_tokens: int, out_path: Path) -> dict[str, Any] |
     if tool is None:
         return None
     cmd = [tool, "record", "-p", str(server.proc.pid), "-r", "100", "-f", "raw"]
-    cmd += ["-o", str(out_path), "--threads", "--nonblocking", "-d", "600"]
+    # Replicas may run as child processes of the gateway: sample those too.
+    cmd += ["-o", str(out_path), "--threads", "--subprocesses", "--nonblocking", "-d", "600"]
     spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     time.sleep(1.0)
     try:
@@ -261,10 +269,13 @@ def summarize_profile(path: Path) -> dict[str, Any]:
             continue
         n = int(count)
         frames = stack.split(";")
+        # Leading pseudo-frames name the process and thread the sample was taken in.
+        where = [f for f in frames[:2] if f.startswith(("process ", "thread "))]
+        frames = frames[len(where) :] or ["?"]
         total += n
-        by_thread[frames[0]] += n
+        by_thread[" / ".join(w[:60] for w in where)] += n
         by_leaf[frames[-1]] += n
-        for frame in set(frames[1:]):
+        for frame in set(frames):
             by_frame[frame] += n
 
     def top(counter: collections.Counter[str], k: int) -> list[tuple[str, float]]:
@@ -328,12 +339,17 @@ def table(results: dict[str, Any]) -> str:
             f"{SLOTS} seqs {ceil[str(SLOTS)]['tok_s']:.1f} tok/s {ceil[str(SLOTS)]['runs']}"
         )
     mem = results["memory"]
+    tm, ls = mem["tokenmill"], mem["llama-server"]
+    rows.append(
+        f"memory (RSS after the runs, largest seen): tokenmill {tm['tree_rss_mb']:.0f} MB in "
+        f"{tm['processes']} process(es) (gateway main process {tm['rss_mb']:.0f} MB), "
+        f"llama-server {ls['tree_rss_mb']:.0f} MB; KV cache {mem['kv_cache_mb']:.0f} MB in each"
+    )
     rows.append(
         f"gateway memory excluding the model: {mem['tokenmill_excl_model_mb']:.0f} MB "
-        f"(tree RSS {mem['tokenmill']['tree_rss_mb']:.0f} MB in {mem['tokenmill']['processes']} "
-        f"process(es), peak main {mem['tokenmill']['hwm_mb']:.0f} MB); llama-server excluding "
-        f"the model: {mem['llama_server_excl_model_mb']:.0f} MB "
-        f"(RSS {mem['llama-server']['tree_rss_mb']:.0f} MB)"
+        f"(excluding the KV cache too: {mem['tokenmill_excl_model_kv_mb']:.0f} MB); "
+        f"llama-server: {mem['llama_server_excl_model_mb']:.0f} MB "
+        f"({mem['llama_server_excl_model_kv_mb']:.0f} MB)"
     )
     rows.append("")
     for line in results["targets"]:
@@ -347,7 +363,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def targets(summary: dict[str, Any], memory_excl: float) -> list[str]:
+def targets(summary: dict[str, Any], memory: dict[str, Any]) -> list[str]:
     def mark(ok: bool) -> str:
         return "PASS" if ok else "MISS"
 
@@ -362,7 +378,12 @@ def targets(summary: dict[str, Any], memory_excl: float) -> list[str]:
         out.append(f"{mark(d <= 5.0)} c=1 TTFT p50 {d:+.1f} ms vs llama-server (target <= +5 ms)")
     errors = sum(row["tokenmill"]["errors"] for row in summary.values())
     out.append(f"{mark(errors == 0)} tokenmill errors: {errors}")
-    out.append(f"{mark(memory_excl < 150)} gateway memory excl. model {memory_excl:.0f} MB (< 150)")
+    excl, kv = memory["tokenmill_excl_model_mb"], memory["tokenmill_excl_model_kv_mb"]
+    out.append(f"{mark(excl < 150)} gateway memory excl. model {excl:.0f} MB (< 150)")
+    out.append(
+        f"{mark(kv < 150)} gateway memory excl. model and KV cache {kv:.0f} MB (< 150; "
+        f"the {memory['kv_cache_mb']:.0f} MB KV cache is the same in llama-server)"
+    )
     return out
 
 
@@ -467,13 +488,18 @@ def main() -> int:
             name: {str(c): r for c, r in by_c.items()} for name, by_c in runs.items()
         }
         results["summary"] = summarize(runs)
+        kv_mb = kv_cache_mb(servers[1].log_path)
         tm_excl = mem["tokenmill"]["tree_rss_mb"] - model_mb
+        ls_excl = mem["llama-server"]["tree_rss_mb"] - model_mb
         results["memory"] = {
             **mem,
+            "kv_cache_mb": kv_mb,
             "tokenmill_excl_model_mb": round(tm_excl, 1),
-            "llama_server_excl_model_mb": round(mem["llama-server"]["tree_rss_mb"] - model_mb, 1),
+            "tokenmill_excl_model_kv_mb": round(tm_excl - kv_mb, 1),
+            "llama_server_excl_model_mb": round(ls_excl, 1),
+            "llama_server_excl_model_kv_mb": round(ls_excl - kv_mb, 1),
         }
-        results["targets"] = targets(results["summary"], tm_excl)
+        results["targets"] = targets(results["summary"], results["memory"])
         if not args.no_profile:
             tm_server = servers[0]
             if py_spy() is None:
