@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".bench-cache"
 SLOTS = 16
 N_CTX = 2048
-SAMPLING = {"temperature": 0.7, "top_k": 40, "top_p": 0.95}
+SAMPLING = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.0}
 CEILING_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -415,7 +415,7 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--reps", type=int, default=3, help="runs per server and concurrency")
+    parser.add_argument("--reps", type=int, default=2, help="runs per server and concurrency")
     parser.add_argument("--concurrency", default=f"1,4,{SLOTS}", help="comma-separated levels")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)

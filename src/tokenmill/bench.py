@@ -35,7 +35,8 @@ DEFAULT_PROMPTS = (
     "Describe the life cycle of a butterfly in detail.",
     "Tell me about the history of bread and why it matters to people.",
 )
-SAMPLING: dict[str, Any] = {"temperature": 0.7, "top_k": 40, "top_p": 0.95}
+# min_p 0 explicitly: llama-server would otherwise add its default min_p 0.05 to the chain.
+SAMPLING: dict[str, Any] = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.0}
 # Errors kept verbatim in the report; the rest are only counted.
 ERROR_SAMPLES = 5
 
