@@ -12,11 +12,12 @@ carrying the text received so far, so the caller never sees a token twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, Literal, overload
@@ -81,9 +82,10 @@ def backoff_delay(attempt: int, error: TokenmillError) -> float | None:
     return delay / 2 + random.uniform(0, delay / 2)
 
 
-async def _sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _sse_data(response: httpx.Response) -> AsyncGenerator[str, None]:
     """The ``data`` of each server-sent event (multi-line data joined by newlines)."""
     buf: list[str] = []
+    lines = response.aiter_lines()
     async for line in lines:
         if not line:
             if buf:
@@ -135,45 +137,52 @@ class AsyncStream:
     def _broken(self, message: str, **kw: Any) -> StreamError:
         return StreamError(message, text=self.text, request_id=self.request_id, **kw)
 
+    def _parse(self, data: str) -> Chunk:
+        """One event as a chunk; an in-band error event raises :class:`StreamError`."""
+        try:
+            event = json.loads(data)
+        except ValueError:
+            raise self._broken(
+                f"the server sent an event that is not JSON: {data[:200]!r}"
+            ) from None
+        if not isinstance(event, dict):
+            raise self._broken(f"the server sent an unexpected event: {data[:200]!r}")
+        if "error" in event:
+            err = error_fields(event)
+            raise self._broken(
+                str(err.get("message") or "the server reported an error mid-stream"),
+                type=err.get("type"),
+                code=err.get("code"),
+                param=err.get("param"),
+                body=event,
+            )
+        return Chunk.from_event(event, self.request_id)
+
     async def _iterate(self) -> AsyncGenerator[Chunk, None]:
         # The chunk carrying finish_reason is held back one event so the usage frame
         # that follows it (stream_options.include_usage) lands on the same last chunk.
         pending: Chunk | None = None
         done = False
         try:
-            async for data in _sse_data(self.response.aiter_lines()):
-                if data.strip() == "[DONE]":
-                    done = True
-                    break
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    raise self._broken(
-                        f"the server sent an event that is not JSON: {data[:200]!r}"
-                    ) from None
-                if not isinstance(event, dict):
-                    raise self._broken(f"the server sent an unexpected event: {data[:200]!r}")
-                if "error" in event:
-                    err = error_fields(event)
-                    raise self._broken(
-                        str(err.get("message") or "the server reported an error mid-stream"),
-                        type=err.get("type"),
-                        code=err.get("code"),
-                        param=err.get("param"),
-                        body=event,
-                    )
-                chunk = Chunk.from_event(event, self.request_id)
-                self.text += chunk.text
-                if pending is not None:
-                    if chunk.usage is not None and not chunk.text and chunk.finish_reason is None:
-                        pending = replace(pending, usage=chunk.usage, raw={**pending.raw, **event})
-                        continue
-                    yield pending
-                    pending = None
-                if chunk.finish_reason is not None or (chunk.usage is not None and not chunk.text):
-                    pending = chunk
-                elif chunk.text:
-                    yield chunk
+            # aclosing: closing this stream finalizes the parser now, not at GC time.
+            async with contextlib.aclosing(_sse_data(self.response)) as events:
+                async for data in events:
+                    if data.strip() == "[DONE]":
+                        done = True
+                        break
+                    chunk = self._parse(data)
+                    self.text += chunk.text
+                    if pending is not None:
+                        if chunk.usage and not chunk.text and chunk.finish_reason is None:
+                            usage, raw = chunk.usage, {**pending.raw, **chunk.raw}
+                            pending = replace(pending, usage=usage, raw=raw)
+                            continue
+                        yield pending
+                        pending = None
+                    if chunk.finish_reason is not None or (chunk.usage and not chunk.text):
+                        pending = chunk
+                    elif chunk.text:
+                        yield chunk
         except httpx.TransportError as e:
             raise self._broken(
                 f"the stream broke after {len(self.text)} characters "

@@ -83,6 +83,8 @@ class _LoopThread:
     def close(self) -> None:
         if self.loop.is_closed():
             return
+        # Finalize streams the caller abandoned without closing, while the loop runs.
+        asyncio.run_coroutine_threadsafe(self.loop.shutdown_asyncgens(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()

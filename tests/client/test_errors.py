@@ -1,0 +1,219 @@
+"""Each error type from a real server response; retries; a stream broken midway."""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.client.conftest import LONG_PROMPT, dead_upstream_config
+from tests.conftest import ServerProcess, free_port
+from tokenmill import (
+    APIConnectionError,
+    AsyncClient,
+    AuthenticationError,
+    BadRequestError,
+    Client,
+    InsufficientCreditError,
+    NotFoundError,
+    PermissionDeniedError,
+    RateLimitError,
+    ServerError,
+    StreamError,
+    TokenmillError,
+)
+from tokenmill.client.errors import status_error
+
+Start = Callable[..., ServerProcess]
+
+
+def _retries(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tokenmill.client"]
+
+
+def test_not_found_is_typed_and_not_retried(
+    server: ServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokenmill.client")
+    with Client(server.url, max_retries=3) as client:
+        with pytest.raises(NotFoundError) as ei:
+            client.chat("Hi", model="nope", max_tokens=2)
+        e = ei.value
+        assert e.status == 404
+        assert "nope" in e.message
+        assert e.request_id is not None and e.request_id.startswith("req-")
+        assert e.type == "invalid_request_error" and e.code
+        assert e.request_id in str(e)
+        with pytest.raises(NotFoundError):
+            client.complete("Hi", model="nope", stream=True, max_tokens=2)
+        with pytest.raises(NotFoundError) as ei:
+            client.predict("nope", prompt="Hi", max_tokens=2)
+        assert ei.value.code == "deployment_not_found"
+    assert _retries(caplog) == []
+
+
+async def test_bad_request_names_the_parameter(server: ServerProcess) -> None:
+    async with AsyncClient(server.url, max_retries=3) as client:
+        with pytest.raises(BadRequestError) as ei:
+            await client.chat("Hi", temperature=5, max_tokens=2)
+        assert ei.value.status == 400
+        assert ei.value.param == "temperature"
+        with pytest.raises(BadRequestError) as ei:
+            await client.complete("Hi", stream=True, max_tokens=0)
+        assert ei.value.param == "max_tokens"
+        assert isinstance(ei.value, TokenmillError)
+
+
+def test_body_too_large_is_a_bad_request(start_server: Start) -> None:
+    srv = start_server(env={"TOKENMILL_MAX_BODY_BYTES": "1024"})
+    with Client(srv.url, max_retries=2) as client:
+        with pytest.raises(BadRequestError) as ei:
+            client.complete("x" * 4000, max_tokens=2)
+        assert ei.value.status == 413
+        assert "1024" in ei.value.message
+
+
+def test_429_then_retry_succeeds(
+    overload_server: ServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokenmill.client")
+    with Client(overload_server.url, max_retries=0) as holder:
+        hold = holder.chat(LONG_PROMPT, stream=True, max_tokens=1000, temperature=0.0)
+        assert next(hold).text  # the only slot is now taken
+        with pytest.raises(RateLimitError) as ei:
+            holder.complete("Hi", max_tokens=2)
+        assert ei.value.status == 429
+        assert ei.value.retry_after is not None and ei.value.retry_after >= 1
+        assert _retries(caplog) == []  # max_retries=0: refused at once
+        # Free the slot while the retrying client waits out Retry-After (>= 1 s).
+        timer = threading.Timer(0.3, hold.close)
+        timer.start()
+        try:
+            with Client(overload_server.url, max_retries=3) as client:
+                response = client.complete("Hi", max_tokens=4)
+        finally:
+            timer.join()
+    assert response.text and response.usage is not None
+    retries = _retries(caplog)
+    assert retries and "429" in retries[0]
+
+
+def test_5xx_and_connect_errors_are_retried_until_the_server_is_up(
+    start_server: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokenmill.client")
+    srv = start_server(wait=False)
+    with ThreadPoolExecutor(1) as pool:
+        # A patient client sent before the server listens...
+        def patient() -> str:
+            with Client(srv.url, max_retries=12) as client:
+                return client.complete("Hi", max_tokens=2).text
+
+        result = pool.submit(patient)
+        # ...while an impatient one sees what it is waiting through.
+        seen: set[str] = set()
+        deadline = time.monotonic() + 120
+        with Client(srv.url, max_retries=0) as client:
+            while time.monotonic() < deadline:
+                try:
+                    client.complete("Hi", max_tokens=2)
+                    break
+                except APIConnectionError:
+                    seen.add("connect")
+                except ServerError as e:
+                    assert e.status == 503 and e.code == "unavailable"
+                    seen.add("503")
+                time.sleep(0.02)
+        assert result.result(timeout=120)
+    assert seen == {"connect", "503"}
+    retries = _retries(caplog)
+    assert any("cannot reach" in m for m in retries)
+
+
+def test_connection_refused(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="tokenmill.client")
+    url = f"http://127.0.0.1:{free_port()}"
+    with Client(url, max_retries=1) as client, pytest.raises(APIConnectionError) as ei:
+        client.models()
+    assert ei.value.status is None
+    assert len(_retries(caplog)) == 1
+
+
+def test_engine_failure_is_a_server_error_or_in_band_stream_error(start_server: Start) -> None:
+    srv = start_server(config=dead_upstream_config())
+    with Client(srv.url, max_retries=0) as client:
+        with pytest.raises(ServerError) as ei:
+            client.chat("Hi", model="dead", max_tokens=2)
+        assert ei.value.status == 502 and "unreachable" in ei.value.message
+        # Streamed, the failure comes after the 200 as an in-band error event.
+        stream = client.chat("Hi", model="dead", stream=True, max_tokens=2)
+        with pytest.raises(StreamError) as se:
+            list(stream)
+        assert se.value.code == "engine_error" and "unreachable" in se.value.message
+        assert se.value.text == ""
+        assert se.value.request_id == stream.request_id
+
+
+async def test_broken_stream_raises_with_the_text_so_far(
+    start_server: Start, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="tokenmill.client")
+    srv = start_server()
+    received: list[str] = []
+    async with AsyncClient(srv.url, max_retries=5) as client:
+        stream = await client.chat(LONG_PROMPT, stream=True, max_tokens=1000, temperature=0.0)
+        with pytest.raises(StreamError) as ei:
+            async for chunk in stream:
+                received.append(chunk.text)
+                if len(received) == 3:
+                    srv.proc.kill()  # SIGKILL: the connection drops mid-stream
+    e = ei.value
+    assert len(received) >= 3
+    assert e.text == "".join(received)  # everything delivered, nothing twice
+    assert "not re-sent" in e.message
+    assert e.request_id == stream.request_id
+    assert _retries(caplog) == []  # a begun stream is never re-sent
+
+
+@pytest.mark.parametrize(
+    ("status", "cls"),
+    [
+        (400, BadRequestError),
+        (401, AuthenticationError),
+        (402, InsufficientCreditError),
+        (403, PermissionDeniedError),
+        (404, NotFoundError),
+        (409, BadRequestError),
+        (413, BadRequestError),
+        (422, BadRequestError),
+        (429, RateLimitError),
+        (500, ServerError),
+        (502, ServerError),
+        (503, ServerError),
+    ],
+)
+def test_status_mapping_from_openai_error_body(status: int, cls: type[TokenmillError]) -> None:
+    body = {"error": {"message": "why", "type": "t", "param": "p", "code": "c"}}
+    e = status_error(status, json.dumps(body).encode(), request_id="req-1", retry_after="3")
+    assert type(e) is cls
+    assert (e.message, e.type, e.param, e.code) == ("why", "t", "p", "c")
+    assert (e.status, e.request_id, e.body) == (status, "req-1", body)
+    if isinstance(e, RateLimitError):
+        assert e.retry_after == 3.0
+
+
+def test_status_mapping_without_an_openai_body() -> None:
+    e = status_error(502, b"<html>Bad Gateway</html>")
+    assert isinstance(e, ServerError) and e.message == "<html>Bad Gateway</html>"
+    e = status_error(401, b"")
+    assert isinstance(e, AuthenticationError) and e.message == "HTTP 401"
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    e = status_error(429, b"{}", retry_after=when)
+    assert isinstance(e, RateLimitError)
+    assert e.retry_after is not None and 25 < e.retry_after <= 30
