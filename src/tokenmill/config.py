@@ -11,7 +11,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 DEFAULT_DEPLOYMENT_ID = "smollm2"
 # The embedded model was trained with 8k context; 2k per sequence keeps the KV cache
@@ -49,9 +56,10 @@ class DeploymentConfig(BaseModel):
     max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1, le=256)
     n_ctx: int = Field(default=DEFAULT_N_CTX, ge=64)
     n_threads: int | None = Field(default=None, ge=1)
-    # Run replicas as supervised child processes (the default). In-process replicas
-    # exist for embedding tokenmill in another program and for the benchmark's ceiling.
-    isolated: bool = False
+    # Each replica is a supervised child process (tokenmill.gateway.process), so a crash
+    # in native code takes down one replica, not the gateway. ``false`` runs the engine
+    # in the gateway's process: for embedding tokenmill and for the benchmark's ceiling.
+    isolated: bool = True
 
     # upstream
     url: str | None = None
@@ -67,9 +75,15 @@ class DeploymentConfig(BaseModel):
                 raise ValueError("an upstream deployment needs 'url'")
             if not self.url.rstrip("/").endswith("/v1"):
                 raise ValueError("'url' must be an OpenAI-compatible base URL ending in /v1")
-        elif self.model is not None and not self.model.is_file():
-            raise ValueError(f"model file not found: {self.model}")
         return self
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, v: Path | None) -> Path | None:
+        # A field validator, so the message names the key: deployments.N.model.
+        if v is not None and not v.is_file():
+            raise ValueError(f"model file not found: {v}")
+        return v
 
 
 class Settings(BaseModel):
@@ -106,7 +120,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         lines.append(f"  {loc or '(top level)'}: {msg}")
