@@ -91,7 +91,7 @@ class RequestStream:
         self._hold = hold
         self.record = record
         self._engine_stream: AsyncIterator[Chunk] | None = None
-        self._closed = False
+        self._closing: asyncio.Task[None] | None = None
         self.usage: Usage | None = None
 
     @property
@@ -129,7 +129,14 @@ class RequestStream:
             rec.error_code = e.code
             rec.finish_reason = "error"
             raise
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
+            rec.finish_reason = "abort"
+            rec.status = "cancelled"
+            # A cancelled task cannot await its cleanup (anyio re-cancels every await),
+            # so closing runs in its own task; whoever owns the stream awaits it.
+            self._start_close()
+            raise
+        except GeneratorExit:
             rec.finish_reason = "abort"
             rec.status = "cancelled"
             raise
@@ -142,11 +149,20 @@ class RequestStream:
         finally:
             await self.aclose()
 
+    def _start_close(self) -> asyncio.Task[None]:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        return self._closing
+
     async def aclose(self) -> None:
-        """End the request: abort generation, free capacity, settle. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """End the request: abort generation, free capacity, settle. Idempotent.
+
+        Every caller awaits the same closing task, which a caller's cancellation
+        cannot cut short: the tokens produced are learnt from the engine and settled.
+        """
+        await asyncio.shield(self._start_close())
+
+    async def _close(self) -> None:
         rec = self.record
         stream = self._engine_stream
         if rec.finish_reason not in ("stop", "length") and rec.status == "ok":
@@ -239,7 +255,11 @@ class Gateway:
     ) -> RequestStream:
         """Admit, count the prompt, hold credit, pick a replica. Raises before streaming."""
         record = RequestRecord(request.request_id, deployment.id, caller)
-        queue_s = await deployment.admission.acquire()
+        try:
+            queue_s = await deployment.admission.acquire()
+        except BaseException as e:
+            self._refused(record, e)
+            raise
         record.queue_s = queue_s
         replica: Replica | None = None
         hold: HoldRequest | None = None
@@ -266,19 +286,22 @@ class Gateway:
             if replica is not None:
                 deployment.release(replica)
             deployment.admission.release()
-            record.status = "rejected"
-            record.error_code = getattr(e, "code", None)
-            # Refusals (429, no credit) are what error metrics are for: observers see
-            # them via on_finish with status "rejected" (on_start was never called).
-            for o in self.observers:
-                o.on_finish(record)
-            self._log(record)
+            self._refused(record, e)
             raise
         stream = RequestStream(self, deployment, replica, request, hold, record)
         self._open.add(stream)
         for o in self.observers:
             o.on_start(record)
         return stream
+
+    def _refused(self, record: RequestRecord, e: BaseException) -> None:
+        record.status = "rejected"
+        record.error_code = getattr(e, "code", None)
+        # Refusals (429, no credit) are what error metrics are for: observers see
+        # them via on_finish with status "rejected" (on_start was never called).
+        for o in self.observers:
+            o.on_finish(record)
+        self._log(record)
 
     def _release(self, deployment: Deployment, replica: Replica, record: RequestRecord) -> None:
         deployment.release(replica)

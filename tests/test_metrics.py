@@ -1,0 +1,276 @@
+"""GET /metrics: Prometheus text format, exact token counts, errors, load gauges."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import ServerProcess
+from tokenmill.config import Settings
+from tokenmill.gateway.core import Gateway
+from tokenmill.metrics import GatewayMetrics
+
+DEP = "smollm2"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HISTOGRAMS = (
+    "tokenmill_time_to_first_token_seconds",
+    "tokenmill_inter_token_latency_seconds",
+    "tokenmill_e2e_request_latency_seconds",
+    "tokenmill_request_queue_time_seconds",
+)
+COUNTERS = ("tokenmill_prompt_tokens_total", "tokenmill_generation_tokens_total")
+GAUGES = (
+    "tokenmill_num_requests_running",
+    "tokenmill_num_requests_waiting",
+    "tokenmill_kv_cache_usage_perc",
+)
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(http: httpx.Client) -> Samples:
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    out: Samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def val(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset({"deployment": DEP, **labels}.items())), 0.0)
+
+
+def engine_tokens(http: httpx.Client) -> int:
+    d = http.get(f"/v1/deployments/{DEP}").json()
+    return sum(r["tokens_generated"] for r in d["replicas"])
+
+
+def settled_engine_tokens(http: httpx.Client, expected: int) -> int:
+    """The engine's counter once it reaches ``expected`` or stops moving (5 s at most)."""
+    deadline = time.monotonic() + 5
+    now = engine_tokens(http)
+    while now != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = engine_tokens(http)
+    return now
+
+
+def stream_chat(http: httpx.Client, body: dict[str, object]) -> tuple[int, dict[str, int]]:
+    """Stream a chat completion; return (text frames seen, final usage)."""
+    frames = 0
+    usage: dict[str, int] = {}
+    with http.stream("POST", CHAT, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+            if event["choices"] and event["choices"][0]["delta"].get("content"):
+                frames += 1
+    return frames, usage
+
+
+def test_every_metric_is_exposed_with_a_deployment_label(http: httpx.Client) -> None:
+    http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2}).raise_for_status()
+    text = http.get("/metrics").text
+    names = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    for h in HISTOGRAMS:
+        assert f"{h}_bucket" in names and f"{h}_count" in names, h
+    for c in (*COUNTERS, "tokenmill_request_success_total"):
+        assert c in names, c
+    for g in GAUGES:
+        assert g in names, g
+    # Every series names its deployment.
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("tokenmill_"):
+                assert s.labels.get("deployment") == DEP, s
+    assert "# TYPE tokenmill_spend_total counter" in text or "tokenmill_spend" in text
+
+
+def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> None:
+    before = scrape(http)
+    engine_before = engine_tokens(http)
+    completion_sum = 0
+    prompt_sum = 0
+    # Non-streamed, both routes.
+    for path, body in (
+        (COMPLETIONS, {"prompt": "The capital of France is", "max_tokens": 7}),
+        (CHAT, {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 9}),
+    ):
+        usage = http.post(path, json=body).json()["usage"]
+        completion_sum += usage["completion_tokens"]
+        prompt_sum += usage["prompt_tokens"]
+    # Streamed with usage; count the text frames for the inter-token histogram.
+    frames, usage = stream_chat(
+        http,
+        {
+            "messages": [{"role": "user", "content": "Count from one to twenty."}],
+            "max_tokens": 12,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    completion_sum += usage["completion_tokens"]
+    prompt_sum += usage["prompt_tokens"]
+    after = scrape(http)
+    gen = "tokenmill_generation_tokens_total"
+    assert val(after, gen) - val(before, gen) == completion_sum
+    # The engine's own counter agrees (it is published a moment after the response).
+    assert settled_engine_tokens(http, engine_before + completion_sum) - engine_before == (
+        completion_sum
+    )
+    assert (
+        val(after, "tokenmill_prompt_tokens_total") - val(before, "tokenmill_prompt_tokens_total")
+        == prompt_sum
+    )
+    ok = sum(
+        val(after, "tokenmill_request_success_total", finished_reason=r)
+        - val(before, "tokenmill_request_success_total", finished_reason=r)
+        for r in ("stop", "length")
+    )
+    assert ok == 3
+    for h in ("tokenmill_time_to_first_token_seconds", "tokenmill_e2e_request_latency_seconds"):
+        assert val(after, f"{h}_count") - val(before, f"{h}_count") == 3, h
+    # One inter-token gap per text chunk after the first, for every request.
+    itl = "tokenmill_inter_token_latency_seconds_count"
+    assert frames >= 2
+    assert val(after, itl) - val(before, itl) >= frames - 1
+
+    # A stream whose client leaves: the tokens produced count, however many that is.
+    before = scrape(http)
+    engine_before = engine_tokens(http)
+    body = {"prompt": "Write a very long story.", "max_tokens": 1500, "stream": True}
+    with (
+        httpx.Client(base_url=server.url, timeout=60) as c,
+        c.stream("POST", COMPLETIONS, json=body) as r,
+    ):
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen >= 4:
+                    break
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        produced = engine_tokens(http) - engine_before
+        moved = val(scrape(http), gen) - val(before, gen)
+        if produced == moved and produced > 0:
+            break
+        time.sleep(0.2)
+    after = scrape(http)
+    produced = engine_tokens(http) - engine_before
+    assert produced >= 3
+    assert val(after, gen) - val(before, gen) == produced
+    aborts = "tokenmill_request_success_total"
+    assert (
+        val(after, aborts, finished_reason="abort") - val(before, aborts, finished_reason="abort")
+        == 1
+    )
+    assert val(after, "tokenmill_num_requests_running") == 0
+
+
+def test_refused_requests_are_counted_by_code(http: httpx.Client) -> None:
+    before = scrape(http)
+    r = http.post(COMPLETIONS, json={"prompt": "word " * 3000, "max_tokens": 5})
+    assert r.status_code == 400
+    after = scrape(http)
+    name = "tokenmill_request_errors_total"
+    code = "context_length_exceeded"
+    assert val(after, name, code=code) - val(before, name, code=code) == 1
+
+
+def test_load_gauges_and_overload(start_server: Callable[..., ServerProcess]) -> None:
+    """One slot, a queue of one: running, waiting, queue time and 429s all show."""
+    srv = start_server(
+        config=f'[[deployments]]\nid = "{DEP}"\nmax_num_seqs = 1\nmax_queue = 1\n'
+        "queue_timeout_s = 120\n"
+    )
+    first_token = threading.Event()
+    release = threading.Event()
+    statuses: list[int] = []
+
+    def long_stream() -> None:
+        body = {"prompt": "Write a very long story.", "max_tokens": 1500, "stream": True}
+        with (
+            httpx.Client(base_url=srv.url, timeout=120) as c,
+            c.stream("POST", COMPLETIONS, json=body) as r,
+        ):
+            # Hold the iterator: dropping it would close the connection at once.
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    first_token.set()
+                    break
+            release.wait(120)  # then leave: the server aborts the generation
+            del lines
+
+    def queued_request() -> None:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            r = c.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 4})
+            statuses.append(r.status_code)
+
+    with httpx.Client(base_url=srv.url, timeout=120) as http:
+        running = threading.Thread(target=long_stream)
+        running.start()
+        try:
+            assert first_token.wait(60)
+            queued = threading.Thread(target=queued_request)
+            queued.start()
+            deadline = time.monotonic() + 60
+            while http.get(f"/v1/deployments/{DEP}").json()["queued"] != 1:
+                assert time.monotonic() < deadline, "the second request never queued"
+                time.sleep(0.05)
+            during = scrape(http)
+            # The slot is taken and the queue is full: a third request is refused.
+            refused = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 429
+        finally:
+            release.set()
+            running.join(120)
+        queued.join(120)
+        assert statuses == [200]
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            after = scrape(http)
+            if val(after, "tokenmill_generation_tokens_total") == engine_tokens(http) and (
+                val(after, "tokenmill_request_success_total", finished_reason="abort") == 1
+            ):
+                break
+            time.sleep(0.2)
+        after = scrape(http)
+        produced = engine_tokens(http)
+    assert val(during, "tokenmill_num_requests_running") == 1
+    assert val(during, "tokenmill_num_requests_waiting") == 1
+    assert 0 < val(during, "tokenmill_kv_cache_usage_perc") <= 1
+    assert val(after, "tokenmill_request_errors_total", code="overloaded") == 1
+    assert val(after, "tokenmill_request_queue_time_seconds_count") == 2
+    # The queued request waited at least while the scrape and the refusal happened.
+    assert val(after, "tokenmill_request_queue_time_seconds_sum") > 0.005
+    assert val(after, "tokenmill_num_requests_running") == 0
+    assert val(after, "tokenmill_num_requests_waiting") == 0
+    assert val(after, "tokenmill_request_success_total", finished_reason="abort") == 1
+    assert produced > 0
+    assert val(after, "tokenmill_generation_tokens_total") == produced
+
+
+def test_each_app_has_its_own_registry() -> None:
+    """Two gateways in one process: no duplicate-series clash, independent counts."""
+    settings = Settings().with_default_deployment()
+    a = GatewayMetrics(Gateway(settings))
+    b = GatewayMetrics(Gateway(settings))
+    assert a.registry is not b.registry
+    a.generation.labels(DEP).inc(5)
+    assert b'tokenmill_generation_tokens_total{deployment="smollm2"} 5.0' in a.render()
+    assert b'tokenmill_generation_tokens_total{deployment="smollm2"} 0.0' in b.render()
