@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -11,7 +12,7 @@ from tests.conftest import ServerProcess
 from tokenmill import AsyncClient, Client, RateLimitError
 from tokenmill.client import AsyncStream, Chunk, Response, Stream
 
-GREEDY = {"temperature": 0.0, "seed": 1}
+GREEDY: dict[str, Any] = {"temperature": 0.0, "seed": 1}
 
 
 def _check_chunks(chunks: list[Chunk], max_tokens: int) -> None:

@@ -39,7 +39,10 @@ from tokenmill.client.types import Chunk, Model, Response
 log = logging.getLogger("tokenmill.client")
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-DEFAULT_TIMEOUT_S = 60.0
+# A non-streamed answer arrives only when generation ends, which on a busy CPU server
+# can take minutes; connecting should not.
+DEFAULT_TIMEOUT_S = 600.0
+CONNECT_TIMEOUT_S = 10.0
 DEFAULT_MAX_RETRIES = 2
 # Backoff doubles from BASE up to CAP; a server asking for longer than MAX_RETRY_AFTER
 # is not waited for (the error is raised so the caller can decide).
@@ -229,7 +232,9 @@ class AsyncClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=all_headers,
-            timeout=timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout),
+            timeout=timeout
+            if isinstance(timeout, httpx.Timeout)
+            else httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S)),
         )
 
     async def aclose(self) -> None:
