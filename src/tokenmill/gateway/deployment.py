@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -79,6 +80,10 @@ def build_engine(config: DeploymentConfig) -> Engine:
             "n_ctx": config.n_ctx,
             "n_threads": config.n_threads,
         }
+        if config.n_threads is None and config.replicas > 1:
+            # Replicas of one deployment share the cores; oversubscribed llama.cpp
+            # thread pools spin against each other and every replica slows down.
+            kwargs["n_threads"] = max(1, (os.cpu_count() or 1) // config.replicas)
         if config.isolated:
             cls = load_engine_class("tokenmill.gateway.process:ProcessEngine")
             return cls("llamacpp", kwargs)  # type: ignore[no-any-return]
