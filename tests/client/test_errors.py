@@ -37,6 +37,17 @@ def _retries(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "tokenmill.client"]
 
 
+class _OnRecord(logging.Handler):
+    """Sets an event when the client logs (it logs only before retrying)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        super().__init__(logging.INFO)
+        self.event = event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.event.set()
+
+
 def test_not_found_is_typed_and_not_retried(
     server: ServerProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -91,14 +102,24 @@ def test_429_then_retry_succeeds(
         assert ei.value.status == 429
         assert ei.value.retry_after is not None and ei.value.retry_after >= 1
         assert _retries(caplog) == []  # max_retries=0: refused at once
-        # Free the slot while the retrying client waits out Retry-After (>= 1 s).
-        timer = threading.Timer(0.3, hold.close)
-        timer.start()
+        # Free the slot once the retrying client was refused and waits out Retry-After.
+        refused = threading.Event()
+        watcher = _OnRecord(refused)
+        logging.getLogger("tokenmill.client").addHandler(watcher)
+
+        def free_slot() -> None:
+            refused.wait(60)
+            hold.close()
+
+        closer = threading.Thread(target=free_slot)
+        closer.start()
         try:
             with Client(overload_server.url, max_retries=3) as client:
                 response = client.complete("Hi", max_tokens=4)
         finally:
-            timer.join()
+            refused.set()
+            closer.join()
+            logging.getLogger("tokenmill.client").removeHandler(watcher)
     assert response.text and response.usage is not None
     retries = _retries(caplog)
     assert retries and "429" in retries[0]

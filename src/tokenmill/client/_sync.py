@@ -47,6 +47,9 @@ class _LoopThread:
         if self.loop.is_closed():
             coro.close()
             raise RuntimeError("the client is closed")
+        if threading.current_thread() is self._thread:
+            coro.close()  # waiting here for our own loop would deadlock
+            raise RuntimeError("a Client cannot be called from its own callbacks; use AsyncClient")
         result: concurrent.futures.Future[T] = concurrent.futures.Future()
         box: list[asyncio.Task[T]] = []
 
