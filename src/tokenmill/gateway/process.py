@@ -281,6 +281,12 @@ class ProcessEngine:
             first = await asyncio.wait_for(read_frame(reader), START_TIMEOUT_S)
         except TimeoutError:
             first = {"op": "fatal", "message": f"not loaded after {START_TIMEOUT_S:g}s"}
+        except BaseException:  # cancelled (closed while loading): leave no orphan
+            writer.close()
+            proc.kill()
+            await asyncio.shield(proc.wait())
+            self._state = "unloaded"
+            raise
         if first is None or first.get("op") != "ready":
             reason = "exited" if first is None else str(first.get("message"))
             writer.close()

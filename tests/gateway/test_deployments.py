@@ -1,0 +1,421 @@
+"""Deployments, process replicas, the upstream engine, admission and predict endpoints.
+
+One gateway serves two llama.cpp deployments (process replicas) and one upstream
+deployment that points at a second tokenmill: the session's default ``server``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess, launch
+
+COUNTING = "1, 2, 3, 4, 5, 6,"
+
+
+def config(upstream: str) -> str:
+    # Small windows, few slots, one thread per replica: the machine is small and shared,
+    # and llama.cpp's spinning thread pools crawl when cores are oversubscribed.
+    return f"""
+[[deployments]]
+id = "chatty"
+endpoint_type = "chat"
+max_num_seqs = 2
+n_ctx = 512
+n_threads = 1
+max_queue = 1
+queue_timeout_s = 30
+
+[[deployments]]
+id = "texty"
+endpoint_type = "completion"
+replicas = 2
+max_num_seqs = 1
+n_ctx = 512
+n_threads = 1
+
+[[deployments]]
+id = "remote"
+engine = "upstream"
+url = "{upstream}"
+upstream_model = "smollm2"
+endpoint_type = "completion"
+max_num_seqs = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory, server: ServerProcess) -> Iterator[ServerProcess]:
+    srv = launch(tmp_path_factory.mktemp("gw"), config=config(server.base_url))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(gw: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gw.url, timeout=120.0) as c:
+        yield c
+
+
+def events(r: httpx.Response) -> Iterator[dict[str, Any] | str]:
+    for line in r.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield "[DONE]" if data == "[DONE]" else json.loads(data)
+
+
+def describe(c: httpx.Client, dep: str) -> dict[str, Any]:
+    r = c.get(f"/v1/deployments/{dep}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def wait_in_flight_zero(c: httpx.Client, dep: str, within: float) -> float:
+    """Seconds until the deployment reports nothing in flight; fail after ``within``."""
+    start = time.monotonic()
+    while True:
+        d = describe(c, dep)
+        elapsed = time.monotonic() - start
+        if d["in_flight"] == 0 and all(r["in_flight"] == 0 for r in d["replicas"]):
+            return elapsed
+        assert elapsed < within, f"{dep} still has {d['in_flight']} in flight after {elapsed}s"
+        time.sleep(0.005)
+
+
+def chat_text(body: dict[str, Any]) -> str:
+    assert body["object"] == "chat.completion", body
+    return str(body["choices"][0]["message"]["content"])
+
+
+def completion_text(body: dict[str, Any]) -> str:
+    assert body["object"] == "text_completion", body
+    return str(body["choices"][0]["text"])
+
+
+# -- listing -------------------------------------------------------------------
+
+
+def test_deployments_describe_replicas(gw: ServerProcess, client: httpx.Client) -> None:
+    data = client.get("/v1/deployments").json()["data"]
+    by_id = {d["id"]: d for d in data}
+    assert set(by_id) == {"chatty", "texty", "remote"}
+    assert [r["slots"] for r in by_id["texty"]["replicas"]] == [1, 1]
+    pids = [r["pid"] for d in ("chatty", "texty") for r in by_id[d]["replicas"]]
+    # Each local replica is its own child process, not the gateway.
+    assert all(isinstance(p, int) for p in pids)
+    assert len(set(pids)) == 3 and gw.proc.pid not in pids
+    for d in data:
+        for r in d["replicas"]:
+            assert r["state"] == "ready"
+            assert r["in_flight"] == 0 and r["queued"] == 0 and r["restarts"] == 0
+    assert by_id["remote"]["engine"] == "upstream"
+    assert by_id["remote"]["replicas"][0]["pid"] is None
+    r = client.get("/v1/deployments/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "deployment_not_found"
+
+
+def test_least_outstanding_routing_spreads_over_replicas(client: httpx.Client) -> None:
+    body = {"prompt": COUNTING, "max_tokens": 40, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(client.post, "/v1/deployments/texty/predict", json=body) for _ in range(2)
+        ]
+        # Both requests run at once: one on each single-slot replica.
+        deadline = time.monotonic() + 10
+        seen = 0
+        while time.monotonic() < deadline and not all(f.done() for f in futures):
+            seen = max(seen, sum(r["in_flight"] > 0 for r in describe(client, "texty")["replicas"]))
+            time.sleep(0.01)
+        results = [f.result() for f in futures]
+    assert all(r.status_code == 200 for r in results)
+    assert all(completion_text(r.json()) for r in results)
+    assert seen == 2
+
+
+# -- predict endpoints -----------------------------------------------------------
+
+
+def test_predict_default_routes(client: httpx.Client) -> None:
+    r = client.post("/v1/deployments/chatty/predict", json={"prompt": "Say hi", "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert chat_text(r.json())  # a prompt on the chat route became a user message
+    r = client.post("/v1/deployments/texty/predict", json={"prompt": COUNTING, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert completion_text(r.json())
+    assert r.json()["usage"]["completion_tokens"] == 8
+
+
+@pytest.mark.parametrize(
+    ("dep", "override", "expect"),
+    [
+        ("chatty", {"field": "completion"}, "text_completion"),
+        ("texty", {"field": "chat"}, "chat.completion"),
+        ("chatty", {"header": "/v1/completions"}, "text_completion"),
+        ("texty", {"header": "/v1/chat/completions"}, "chat.completion"),
+    ],
+)
+def test_predict_overrides(
+    client: httpx.Client, dep: str, override: dict[str, str], expect: str
+) -> None:
+    body: dict[str, Any] = {"prompt": COUNTING, "max_tokens": 6, "temperature": 0}
+    headers = {}
+    if "field" in override:
+        body["endpoint_type"] = override["field"]
+    else:
+        headers["route"] = override["header"]
+    r = client.post(f"/v1/deployments/{dep}/predict", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == expect
+    text = chat_text(out) if expect == "chat.completion" else completion_text(out)
+    assert text
+
+
+def test_predict_messages_on_completion_route_use_the_template(client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    r = client.post("/v1/deployments/texty/predict", json={"messages": messages, "max_tokens": 6})
+    assert r.status_code == 200, r.text
+    assert completion_text(r.json())
+    # The rendered template (role markers) counts far more than the 3 words sent.
+    assert r.json()["usage"]["prompt_tokens"] > 10
+
+
+def test_predict_with_response_stream(client: httpx.Client) -> None:
+    for dep, obj in (("chatty", "chat.completion.chunk"), ("texty", "text_completion")):
+        body = {"prompt": COUNTING, "max_tokens": 6}
+        with client.stream(
+            "POST", f"/v1/deployments/{dep}/predictWithResponseStream", json=body
+        ) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            got = list(events(r))
+        assert got[-1] == "[DONE]"
+        frames = [e for e in got[:-1] if isinstance(e, dict)]
+        assert frames and all(f["object"] == obj for f in frames)
+        assert frames[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_predict_unknown_deployment_is_404(client: httpx.Client) -> None:
+    r = client.post("/v1/deployments/nope/predict", json={"prompt": "x"})
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "deployment_not_found"
+    r = client.post("/v1/deployments/chatty/predict", json={"prompt": "x"}, headers={"route": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "route"
+
+
+# -- upstream ------------------------------------------------------------------------
+
+
+def test_upstream_streams_with_the_upstreams_usage(
+    client: httpx.Client, http: httpx.Client
+) -> None:
+    messages = [{"role": "user", "content": "Write one short sentence about rivers."}]
+    body = {"messages": messages, "max_tokens": 12, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    texts: list[str] = []
+    usage: dict[str, Any] = {}
+    with client.stream("POST", "/v1/chat/completions", json={**body, "model": "remote"}) as r:
+        assert r.status_code == 200
+        for e in events(r):
+            if isinstance(e, dict):
+                assert "error" not in e, e
+                if e["choices"]:
+                    texts.append(e["choices"][0]["delta"].get("content", ""))
+                else:
+                    usage = e["usage"]
+    direct = http.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    # Forwarded chunk by chunk, and billed with the upstream's own counts: the
+    # gateway's estimate (~4 characters a token) would be about half of the real
+    # count, which includes the chat template's role markers.
+    assert len([t for t in texts if t]) > 1
+    assert usage["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    assert 0 < usage["completion_tokens"] <= 12
+
+
+def test_upstream_predict_and_errors(client: httpx.Client) -> None:
+    r = client.post("/v1/deployments/remote/predict", json={"prompt": COUNTING, "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert completion_text(r.json())
+    assert r.json()["usage"]["completion_tokens"] == 5
+    # The upstream's own refusal (prompt + max_tokens beyond its window) comes back as
+    # the client's error, not a 5xx.
+    r = client.post("/v1/completions", json={"model": "remote", "prompt": "x", "max_tokens": 9999})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_upstream_disconnect_closes_the_upstream_request(
+    client: httpx.Client, http: httpx.Client
+) -> None:
+    body = {
+        "model": "remote",
+        "prompt": COUNTING,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        # Keep the iterator referenced: a dropped generator closes the connection.
+        stream = events(r)
+        for e in stream:
+            if isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]:
+                break
+        assert describe(http, "smollm2")["in_flight"] == 1
+    assert wait_in_flight_zero(client, "remote", within=0.1) < 0.1
+    wait_in_flight_zero(http, "smollm2", within=2.0)
+
+
+# -- failures and capacity -----------------------------------------------------------
+
+
+def test_sigkill_mid_stream_fails_fast_and_the_replica_restarts(client: httpx.Client) -> None:
+    before = describe(client, "chatty")["replicas"][0]
+    body = {
+        "model": "chatty",
+        "prompt": COUNTING,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    killed_at = 0.0
+    tail: list[dict[str, Any] | str] = []
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for e in events(r):
+            if killed_at:
+                tail.append(e)
+            elif isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]:
+                os.kill(before["pid"], signal.SIGKILL)
+                killed_at = time.monotonic()
+    ended = time.monotonic() - killed_at
+    assert killed_at and ended < 2.0
+    assert tail[-1] == "[DONE]"
+    errors = [e for e in tail if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error"
+    # The error freed its capacity at once.
+    assert wait_in_flight_zero(client, "chatty", within=0.1) < 0.1
+
+    deadline = time.monotonic() + 60
+    while True:
+        after = describe(client, "chatty")["replicas"][0]
+        if after["state"] == "ready":
+            break
+        assert after["state"] in ("unhealthy", "loading")
+        assert time.monotonic() < deadline, after
+        time.sleep(0.1)
+    assert after["restarts"] == before["restarts"] + 1
+    assert after["pid"] not in (None, before["pid"])
+    r = client.post("/v1/deployments/chatty/predict", json={"prompt": "Say hi", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert chat_text(r.json())
+
+
+def test_sigkill_during_a_non_streamed_request_is_a_502(client: httpx.Client) -> None:
+    pid = describe(client, "texty")["replicas"][0]["pid"]
+    pids = {r["pid"] for r in describe(client, "texty")["replicas"]}
+    body = {"prompt": COUNTING, "max_tokens": 400, "temperature": 0}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(client.post, "/v1/deployments/texty/predict", json=body)
+        deadline = time.monotonic() + 10
+        busy = None
+        while busy is None and time.monotonic() < deadline:
+            reps = describe(client, "texty")["replicas"]
+            busy = next((x["pid"] for x in reps if x["in_flight"]), None)
+            time.sleep(0.01)
+        assert busy in pids, pid
+        time.sleep(0.2)  # let it generate a little
+        os.kill(busy, signal.SIGKILL)
+        killed_at = time.monotonic()
+        r = fut.result()
+    assert time.monotonic() - killed_at < 2.0
+    assert r.status_code == 502
+    assert r.json()["error"]["type"] == "server_error"
+    # The other replica keeps serving while this one restarts.
+    r = client.post("/v1/deployments/texty/predict", json={"prompt": COUNTING, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+
+
+def test_capacity_returns_after_end_error_and_disconnect(client: httpx.Client) -> None:
+    body = {"model": "chatty", "prompt": COUNTING, "max_tokens": 8, "stream": True}
+    # end
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert list(events(r))[-1] == "[DONE]"
+    assert wait_in_flight_zero(client, "chatty", within=0.1) < 0.1
+    # error before streaming (the prompt cannot fit the 512-token window)
+    r = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 600})
+    assert r.status_code == 400
+    assert wait_in_flight_zero(client, "chatty", within=0.1) < 0.1
+    # disconnect mid-stream
+    with client.stream(
+        "POST", "/v1/completions", json={**body, "max_tokens": 400, "temperature": 0}
+    ) as r:
+        # Keep the iterator referenced: a dropped generator closes the connection.
+        stream = events(r)
+        for e in stream:
+            if isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]:
+                break
+        assert describe(client, "chatty")["in_flight"] == 1
+    assert wait_in_flight_zero(client, "chatty", within=0.1) < 0.1
+
+
+def test_overload_answers_only_200_or_429(client: httpx.Client) -> None:
+    d = describe(client, "chatty")
+    capacity = sum(r["slots"] for r in d["replicas"])
+    n = 3 * capacity
+    body = {"prompt": "Write a sentence about cats.", "max_tokens": 16, "temperature": 0}
+
+    def call(_: int) -> httpx.Response:
+        with httpx.Client(base_url=client.base_url, timeout=120.0) as c:
+            return c.post("/v1/deployments/chatty/predict", json=body)
+
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(call, range(n)))
+    codes = sorted(r.status_code for r in results)
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(200) >= capacity and codes.count(429) >= 1, codes
+    for r in results:
+        if r.status_code == 200:
+            assert chat_text(r.json()).strip()
+        else:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+    assert wait_in_flight_zero(client, "chatty", within=0.1) < 0.1
+    assert describe(client, "chatty")["queued"] == 0
+
+
+# -- configuration errors ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "expect"),
+    [
+        ('colour = "blue"', ["deployments.0.colour", "unknown key"]),
+        ("replicas = 0", ["deployments.0.replicas", "greater than or equal to 1"]),
+        ('max_num_seqs = "many"', ["deployments.0.max_num_seqs"]),
+        ('model = "missing.gguf"', ["deployments.0.model", "model file not found", "missing.gguf"]),
+        ('[[deployments]]\nid = "a"', ["duplicate deployment id 'a'"]),
+    ],
+    ids=["unknown-key", "bad-value", "bad-type", "missing-model", "duplicate-id"],
+)
+def test_configuration_errors_stop_startup(tmp_path: Path, extra: str, expect: list[str]) -> None:
+    srv = launch(tmp_path, config=f'[[deployments]]\nid = "a"\n{extra}\n', wait=False)
+    try:
+        code = srv.proc.wait(timeout=60)
+    finally:
+        srv.stop()
+    out = srv.log()
+    assert code != 0, out
+    assert str(tmp_path / "tokenmill.toml") in out
+    for text in expect:
+        assert text in out, out
+    assert "Traceback" not in out
