@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProcess
@@ -32,6 +33,13 @@ GAUGES = (
 )
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@pytest.fixture
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    # The shared fixture's 60 s is too short on a busy 2-core machine.
+    with httpx.Client(base_url=server.url, timeout=300.0) as client:
+        yield client
 
 
 def scrape(http: httpx.Client) -> Samples:
@@ -62,6 +70,19 @@ def settled_engine_tokens(http: httpx.Client, expected: int) -> int:
         time.sleep(0.1)
         now = engine_tokens(http)
     return now
+
+
+def stable_engine_tokens(http: httpx.Client) -> int:
+    """The engine's counter once it has stopped moving (replica processes push it late)."""
+    last = engine_tokens(http)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = engine_tokens(http)
+        if now == last:
+            break
+        last = now
+    return last
 
 
 def stream_chat(http: httpx.Client, body: dict[str, object]) -> tuple[int, dict[str, int]]:
@@ -101,7 +122,7 @@ def test_every_metric_is_exposed_with_a_deployment_label(http: httpx.Client) -> 
 
 def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> None:
     before = scrape(http)
-    engine_before = engine_tokens(http)
+    engine_before = stable_engine_tokens(http)
     completion_sum = 0
     prompt_sum = 0
     # Non-streamed, both routes.
@@ -150,7 +171,7 @@ def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> No
 
     # A stream whose client leaves: the tokens produced count, however many that is.
     before = scrape(http)
-    engine_before = engine_tokens(http)
+    engine_before = stable_engine_tokens(http)
     body = {"prompt": "Write a very long story.", "max_tokens": 1500, "stream": True}
     with (
         httpx.Client(base_url=server.url, timeout=60) as c,
@@ -159,14 +180,17 @@ def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> No
         seen = 0
         for line in r.iter_lines():
             if line.startswith("data: {"):
+                assert "error" not in json.loads(line[6:]), line
                 seen += 1
                 if seen >= 4:
                     break
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         produced = engine_tokens(http) - engine_before
-        moved = val(scrape(http), gen) - val(before, gen)
-        if produced == moved and produced > 0:
+        now = scrape(http)
+        moved = val(now, gen) - val(before, gen)
+        # Replica processes push their counters a moment later: wait for them.
+        if produced == moved > 0 and val(now, "tokenmill_num_requests_running") == 0:
             break
         time.sleep(0.2)
     after = scrape(http)
