@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 
 from tokenmill.errors import OverloadedError
@@ -82,10 +83,8 @@ class Admission:
         self.active -= 1
 
     def _remove(self, fut: asyncio.Future[None]) -> None:
-        try:
+        with contextlib.suppress(ValueError):  # already handed a permit and popped
             self._waiters.remove(fut)
-        except ValueError:
-            pass
 
     def resize(self, capacity: int) -> None:
         """Change the slot count (replicas added or lost); wake waiters that now fit."""
