@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -419,3 +419,32 @@ def test_configuration_errors_stop_startup(tmp_path: Path, extra: str, expect: l
     for text in expect:
         assert text in out, out
     assert "Traceback" not in out
+
+
+def test_idle_replica_unloads_and_loads_again(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    srv = start_server(
+        config='[[deployments]]\nid = "lazy"\nmax_num_seqs = 1\nn_ctx = 256\nn_threads = 1\n'
+        "idle_unload_s = 1\n"
+    )
+    with httpx.Client(base_url=srv.url, timeout=120.0) as c:
+        rep = describe(c, "lazy")["replicas"][0]
+        assert rep["state"] == "unloaded" and rep["pid"] is None  # loads on first request
+        r = c.post("/v1/deployments/lazy/predict", json={"prompt": COUNTING, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert chat_text(r.json())
+        rep = describe(c, "lazy")["replicas"][0]
+        assert rep["state"] == "ready" and isinstance(rep["pid"], int)
+        pid = rep["pid"]
+        deadline = time.monotonic() + 20
+        while describe(c, "lazy")["replicas"][0]["state"] != "unloaded":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert describe(c, "lazy")["replicas"][0]["pid"] is None
+        with pytest.raises(ProcessLookupError):  # the child process is gone, not leaked
+            for _ in range(50):
+                os.kill(pid, 0)
+                time.sleep(0.1)
+        r = c.post("/v1/deployments/lazy/predict", json={"prompt": COUNTING, "max_tokens": 4})
+        assert r.status_code == 200, r.text
