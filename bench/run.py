@@ -389,7 +389,8 @@ def targets(summary: dict[str, Any], memory: dict[str, Any]) -> list[str]:
 
 def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
-    for c in sorted(runs["tokenmill"]):
+    # After an interruption a level may have runs of one server only: it has no ratio.
+    for c in sorted(set(runs["tokenmill"]) & set(runs["llama-server"])):
         row: dict[str, Any] = {}
         for name in ("tokenmill", "llama-server"):
             reports = runs[name][c]
@@ -413,6 +414,32 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any
     return summary
 
 
+def measure(
+    servers: list[Server],
+    levels: list[int],
+    args: argparse.Namespace,
+    runs: dict[str, dict[int, list[dict[str, Any]]]],
+    mem: dict[str, dict[str, float]],
+) -> None:
+    """Fill ``runs`` and ``mem`` as runs complete, so an interruption keeps them."""
+    for rep in range(args.reps):
+        # Alternate who goes first so a slow phase of the machine hits both alike.
+        order = servers if rep % 2 == 0 else servers[::-1]
+        for c in levels:
+            for s in order:
+                report = run_bench(s, c, args.max_tokens)
+                runs[s.name].setdefault(c, []).append(report)
+                m = memory_mb(s.proc.pid)
+                if m["tree_rss_mb"] >= mem[s.name].get("tree_rss_mb", 0.0):
+                    mem[s.name] = m
+                log(
+                    f"rep {rep + 1}/{args.reps} c={c:<2} {s.name:<12} "
+                    f"{report['output_tokens_per_s']:7.1f} tok/s  "
+                    f"TTFT p50 {report['ttft_ms']['p50']:7.1f} ms  "
+                    f"errors {report['errors']}"
+                )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--reps", type=int, default=2, help="runs per server and concurrency")
@@ -430,6 +457,8 @@ def main() -> int:
     from tokenmill.engines.llamacpp import embedded_model_path
 
     levels = [int(x) for x in args.concurrency.split(",")]
+    # SIGTERM (from `timeout`, say) ends the runs like Ctrl-C: what was measured is reported.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     CACHE.mkdir(exist_ok=True)
     log("llama-server: building if not cached (several minutes the first time)")
     binary = llama_server_binary()
@@ -468,22 +497,14 @@ def main() -> int:
 
         runs: dict[str, dict[int, list[dict[str, Any]]]] = {s.name: {} for s in servers}
         mem: dict[str, dict[str, float]] = {s.name: {} for s in servers}
-        for rep in range(args.reps):
-            # Alternate who goes first so a slow phase of the machine hits both alike.
-            order = servers if rep % 2 == 0 else servers[::-1]
-            for c in levels:
-                for s in order:
-                    report = run_bench(s, c, args.max_tokens)
-                    runs[s.name].setdefault(c, []).append(report)
-                    m = memory_mb(s.proc.pid)
-                    if m["tree_rss_mb"] >= mem[s.name].get("tree_rss_mb", 0.0):
-                        mem[s.name] = m
-                    log(
-                        f"rep {rep + 1}/{args.reps} c={c:<2} {s.name:<12} "
-                        f"{report['output_tokens_per_s']:7.1f} tok/s  "
-                        f"TTFT p50 {report['ttft_ms']['p50']:7.1f} ms  "
-                        f"errors {report['errors']}"
-                    )
+        try:
+            measure(servers, levels, args, runs, mem)
+        except KeyboardInterrupt:
+            # Stopped early (Ctrl-C, SIGTERM from a timeout): report what was measured.
+            results["interrupted"] = True
+            log("interrupted: reporting the runs completed so far")
+        for s in servers:
+            mem[s.name] = mem[s.name] or memory_mb(s.proc.pid)
         results["runs"] = {
             name: {str(c): r for c, r in by_c.items()} for name, by_c in runs.items()
         }
@@ -500,7 +521,7 @@ def main() -> int:
             "llama_server_excl_model_kv_mb": round(ls_excl - kv_mb, 1),
         }
         results["targets"] = targets(results["summary"], results["memory"])
-        if not args.no_profile:
+        if not args.no_profile and not results.get("interrupted"):
             tm_server = servers[0]
             if py_spy() is None:
                 log("py-spy not installed: no profile (pip install py-spy to get one)")
