@@ -57,13 +57,14 @@ def test_batched_equals_solo_and_32_streams_stay_separate(
     # slow shared machine from turning the test into one about admission.
     server = start_server(config='[[deployments]]\nid = "smollm2"\nqueue_timeout_s = 600\n')
     prompts = [f"Write one sentence about {TOPICS[i % 16]} (#{i})." for i in range(32)]
-    solo = {i: text_of(ask(server.url, prompts[i])) for i in range(0, 32, 4)}
+    solo = {i: text_of(ask(server.url, prompts[i])) for i in range(32)}
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         batched = list(pool.map(lambda i: text_of(ask(server.url, prompts[i])), range(32)))
+    # Greedy decoding is deterministic, so any token crossing between sequences, or
+    # any sampling state shared between them, would change some answer.
     for i, text in solo.items():
         assert batched[i] == text, f"request {i} differs when batched"
-    # No tokens cross between sequences: each answer is about its own topic.
-    assert len(set(batched)) == 32
+    assert len(set(batched)) >= 16
 
 
 def test_prefix_cache_hit_is_reported(server: ServerProcess) -> None:
@@ -80,18 +81,28 @@ def test_prefix_cache_hit_is_reported(server: ServerProcess) -> None:
 
 
 def test_abort_mid_batch_frees_the_slot(start_server: Callable[..., ServerProcess]) -> None:
-    srv = start_server(config='[[deployments]]\nid = "smollm2"\nmax_num_seqs = 2\nmax_queue = 4\n')
-    long_body = {"prompt": "Tell a long story.", "max_tokens": 1000, "stream": True, "seed": 1}
+    # No queue: the third request is refused unless the aborted stream's slot came back.
+    srv = start_server(config='[[deployments]]\nid = "smollm2"\nmax_num_seqs = 2\nmax_queue = 0\n')
+    long_body = {
+        "prompt": "Tell a long story.",
+        "max_tokens": 1000,
+        "stream": True,
+        "seed": 1,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=long_body) as r1:
-            next(r1.iter_lines())
+            lines1 = r1.iter_lines()  # one iterator: dropping it would close the stream
+            next(lines1)
             with c.stream("POST", "/v1/completions", json=long_body) as r2:
-                next(r2.iter_lines())
+                lines2 = r2.iter_lines()
+                next(lines2)
                 assert c.get("/v1/deployments/smollm2").json()["in_flight"] == 2
             # r2 closed mid-stream: its slot comes back, a new request gets it at once.
             r3 = ask(srv.url, "Say hi.", max_tokens=4)
             assert r3["usage"]["completion_tokens"] >= 1
             assert c.get("/v1/deployments/smollm2").json()["in_flight"] == 1
+            assert next(line for line in lines1 if line.startswith("data: {"))  # r1 still runs
     deadline = time.monotonic() + 2
     while time.monotonic() < deadline:
         if httpx.get(srv.url + "/v1/deployments/smollm2").json()["in_flight"] == 0:
@@ -104,15 +115,20 @@ def test_full_queue_answers_429_with_retry_after(
     start_server: Callable[..., ServerProcess],
 ) -> None:
     srv = start_server(config='[[deployments]]\nid = "smollm2"\nmax_num_seqs = 1\nmax_queue = 1\n')
-    body = {"prompt": "Tell a long story.", "max_tokens": 400, "stream": True}
+    body = {"prompt": "Tell a long story.", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=body) as running:
-            next(running.iter_lines())
+            lines = running.iter_lines()
+            next(lines)
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 queued = pool.submit(ask, srv.url, "Say hi.", 2)
-                time.sleep(0.5)
+                deadline = time.monotonic() + 30
+                while c.get("/v1/deployments/smollm2").json()["queued"] < 1:
+                    assert time.monotonic() < deadline, "the second request never queued"
+                    time.sleep(0.02)
                 refused = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
                 assert refused.status_code == 429
                 assert int(refused.headers["retry-after"]) >= 1
                 assert refused.json()["error"]["type"] == "rate_limit_error"
+            assert next(line for line in lines if line.startswith("data: {"))
         assert queued.result(timeout=120)["usage"]["completion_tokens"] >= 1

@@ -38,6 +38,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    # Keep generating past end-of-sequence until max_tokens (benchmarks, load tests).
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -489,7 +489,7 @@ class LlamaCppEngine:
             if seq.n_past > len(seq.prompt) or seq.generated > 0:
                 # the previous sampled token is now in the KV cache
                 self._slots[seq.slot].tokens.append(seq.last_token)
-            if ll.llama_vocab_is_eog(vocab, token):
+            if not seq.sampling.ignore_eos and ll.llama_vocab_is_eog(vocab, token):
                 self._finish(seq, "stop", events)
                 continue
             seq.generated += 1

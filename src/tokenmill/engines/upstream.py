@@ -168,6 +168,8 @@ class UpstreamEngine:
             body["min_p"] = s.min_p
         if s.repetition_penalty != 1.0:
             body["repetition_penalty"] = s.repetition_penalty
+        if s.ignore_eos:
+            body["ignore_eos"] = True
         if request.messages is not None:
             body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
             return "/chat/completions", body

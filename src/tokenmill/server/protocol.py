@@ -74,6 +74,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     chat_template: str | None = None
     user: str | None = None
+    ignore_eos: bool = False
 
     @field_validator("n")
     @classmethod
@@ -112,6 +113,7 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             stop=stop,
             seed=self.seed,
+            ignore_eos=self.ignore_eos,
         )
 
 
