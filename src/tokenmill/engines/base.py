@@ -85,6 +85,9 @@ class Chunk:
     text: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    # Completion tokens produced so far, this chunk's included (0 if the engine can't
+    # tell). Lets the gateway bill a stream even if its final usage never arrives.
+    tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

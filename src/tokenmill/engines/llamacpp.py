@@ -504,7 +504,7 @@ class LlamaCppEngine:
             ):
                 self._finish(seq, "length", events, text + seq.stream.finish())
             elif text:
-                events.append((seq, Chunk(text)))
+                events.append((seq, Chunk(text, tokens=seq.generated)))
 
     def _piece(self, token: int) -> bytes:
         buf = self._piece_buf
@@ -538,7 +538,7 @@ class LlamaCppEngine:
             ll.llama_sampler_free(seq.sampler)
             seq.sampler = None
         usage = Usage(len(seq.prompt), seq.generated, seq.cached)
-        events.append((seq, Chunk(text, reason, usage)))
+        events.append((seq, Chunk(text, reason, usage, seq.generated)))
 
     def _post(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
         loop = self._loop

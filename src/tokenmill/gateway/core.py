@@ -111,6 +111,8 @@ class RequestStream:
                 now = time.monotonic()
                 if rec.ttft_s is None and (chunk.text or chunk.finish_reason):
                     rec.ttft_s = now - rec.started
+                if chunk.tokens > rec.completion_tokens:
+                    rec.completion_tokens = chunk.tokens
                 if chunk.usage is not None:
                     self.usage = chunk.usage
                     rec.completion_tokens = chunk.usage.completion_tokens

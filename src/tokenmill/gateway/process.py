@@ -340,12 +340,12 @@ class ProcessEngine:
                     break
                 op = msg["op"]
                 if op == "chunks":
-                    for rid, text, reason, usage in msg["c"]:
+                    for rid, text, reason, usage, tokens in msg["c"]:
                         p = pending.get(rid)
                         if p is None:
                             continue
                         u = decode_usage(usage)
-                        p.queue.put_nowait(Chunk(text, reason, u))
+                        p.queue.put_nowait(Chunk(text, reason, u, tokens))
                         if reason is not None:
                             del pending[rid]
                             if not p.final.done():

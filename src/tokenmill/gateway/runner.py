@@ -49,7 +49,9 @@ class Outbox:
         self._loop = asyncio.get_running_loop()
 
     def chunk(self, rid: str, chunk: Chunk) -> None:
-        self._chunks.append([rid, chunk.text, chunk.finish_reason, encode_usage(chunk.usage)])
+        self._chunks.append(
+            [rid, chunk.text, chunk.finish_reason, encode_usage(chunk.usage), chunk.tokens]
+        )
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self.flush)
