@@ -298,3 +298,29 @@ def test_each_app_has_its_own_registry() -> None:
     a.generation.labels(DEP).inc(5)
     assert b'tokenmill_generation_tokens_total{deployment="smollm2"} 5.0' in a.render()
     assert b'tokenmill_generation_tokens_total{deployment="smollm2"} 0.0' in b.render()
+
+
+def test_metrics_off_serves_completions_and_404s_metrics(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    """TOKENMILL_METRICS=0: no observer and no /metrics route; serving is unchanged."""
+    srv = start_server(env={"TOKENMILL_METRICS": "0"})
+    with httpx.Client(base_url=srv.url, timeout=300.0) as c:
+        r = c.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] > 0
+        body = {"prompt": "Hello", "max_tokens": 8, "stream": True}
+        with c.stream("POST", COMPLETIONS, json=body) as s:
+            assert s.status_code == 200
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert any(choice["text"] for chunk in chunks for choice in chunk["choices"])
+        r = c.get("/metrics")
+        assert r.status_code == 404
+        assert r.json()["error"] == {
+            "message": "no route GET /metrics",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "unknown_url",
+        }

@@ -96,6 +96,8 @@ class Settings(BaseModel):
     ledger: str | None = None
     admin_key: str | None = None
     log_level: str = "info"
+    # Prometheus observer and GET /metrics; off, the hot path carries no observer at all.
+    metrics: bool = True
     deployments: list[DeploymentConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -113,7 +115,17 @@ class Settings(BaseModel):
         return self.model_copy(update={"deployments": [DeploymentConfig(id=DEFAULT_DEPLOYMENT_ID)]})
 
 
-_ENV_KEYS = ("host", "port", "data_dir", "max_body_bytes", "ledger", "admin_key", "log_level")
+# Values arrive as strings; pydantic's lax mode reads "0"/"false"/"off"/"no" as False.
+_ENV_KEYS = (
+    "host",
+    "port",
+    "data_dir",
+    "max_body_bytes",
+    "ledger",
+    "admin_key",
+    "log_level",
+    "metrics",
+)
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

@@ -114,8 +114,10 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     )
     app.state.gateway = gw
     # Per-app registry: several apps in one process never clash on the global one.
-    metrics = GatewayMetrics(gw)
-    gw.observers.append(metrics)
+    # ``metrics = false`` leaves the observer out entirely, and /metrics 404s.
+    metrics = GatewayMetrics(gw) if settings.metrics else None
+    if metrics is not None:
+        gw.observers.append(metrics)
     app.state.metrics = metrics
     app.state.settings = settings
     app.state.ledger = ledger
@@ -147,9 +149,11 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     async def health_detail() -> dict[str, Any]:
         return {"ready": gw.ready, "deployments": gw.stats()}
 
-    @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    if metrics is not None:
+
+        @app.get("/metrics", include_in_schema=False)
+        async def prometheus_metrics() -> Response:
+            return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/", include_in_schema=False)
     async def playground() -> FileResponse:
