@@ -346,10 +346,10 @@ class ProcessEngine:
                             continue
                         u = decode_usage(usage)
                         p.queue.put_nowait(Chunk(text, reason, u, tokens))
-                        if reason is not None:
-                            del pending[rid]
-                            if not p.final.done():
-                                p.final.set_result(u)
+                        # It stays pending until its reader is done with it: a reader
+                        # that left before this last chunk asks abort() for the usage.
+                        if reason is not None and not p.final.done():
+                            p.final.set_result(u)
                 elif op == "status":
                     self._status = msg["status"]
                 elif op == "prepared":
@@ -436,7 +436,9 @@ class ProcessEngine:
                 if finished:
                     return
         finally:
-            if not finished:
+            if finished:
+                child.pending.pop(rid, None)
+            else:  # the caller must call abort(), which also forgets the request
                 self._send_abort(child, rid, p)
 
     def _send_abort(self, child: _Child, rid: str, p: _Pending) -> None:
@@ -458,6 +460,8 @@ class ProcessEngine:
         except TimeoutError:
             log.error("request %s did not stop within %ss", request_id, ABORT_WAIT_S)
             return None
+        finally:
+            child.pending.pop(request_id, None)
 
 
 def _is_json(v: Any) -> bool:
