@@ -538,7 +538,7 @@ def measure(
                 for key, value in memory_mb(s.proc.pid).items():
                     mem[s.name][key] = max(value, mem[s.name].get(key, 0.0))
                 log(
-                    f"rep {rep + 1}/{args.reps} c={c:<2} {s.name:<12} "
+                    f"rep {rep + 1}/{args.reps} c={c:<2} {s.name:<19} "
                     f"{report['output_tokens_per_s']:7.1f} tok/s  "
                     f"TTFT p50 {report['ttft_ms']['p50']:7.1f} ms  "
                     f"errors {report['errors']}"
