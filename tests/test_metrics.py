@@ -172,7 +172,12 @@ def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> No
     # A stream whose client leaves: the tokens produced count, however many that is.
     before = scrape(http)
     engine_before = stable_engine_tokens(http)
-    body = {"prompt": "Write a very long story.", "max_tokens": 1500, "stream": True}
+    body = {
+        "prompt": "Write a very long story.",
+        "max_tokens": 1500,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with (
         httpx.Client(base_url=server.url, timeout=60) as c,
         c.stream("POST", COMPLETIONS, json=body) as r,
@@ -226,7 +231,12 @@ def test_load_gauges_and_overload(start_server: Callable[..., ServerProcess]) ->
     statuses: list[int] = []
 
     def long_stream() -> None:
-        body = {"prompt": "Write a very long story.", "max_tokens": 1500, "stream": True}
+        body = {
+            "prompt": "Write a very long story.",
+            "max_tokens": 1500,
+            "stream": True,
+            "ignore_eos": True,
+        }
         with (
             httpx.Client(base_url=srv.url, timeout=120) as c,
             c.stream("POST", COMPLETIONS, json=body) as r,

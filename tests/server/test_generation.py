@@ -202,6 +202,7 @@ def test_disconnect_stops_generation(server: ServerProcess, http: httpx.Client) 
     body = {
         "prompt": "Write a very long story.",
         "max_tokens": 1500,
+        "ignore_eos": True,
         "stream": True,
         "temperature": 1.0,
         "seed": 3,
