@@ -38,6 +38,8 @@ fmt: install
 
 bench: install
 	$(BIN)/python bench/run.py
+	# Metering's own cost: hold + settle on the SQLite ledger (target <= 1 ms p50).
+	$(BIN)/python bench/ledger_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
