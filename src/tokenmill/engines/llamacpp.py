@@ -44,6 +44,7 @@ from tokenmill.engines.base import (
     Usage,
 )
 from tokenmill.engines.chat_template import render_chat
+from tokenmill.engines.chunks import ChunkQueue, ChunkReader
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.textstream import TextStream
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
@@ -122,7 +123,7 @@ class LlamaCppEngine:
         self._slots: list[_Slot] = []
         self._stop = False
         self._start_lock = asyncio.Lock()
-        self._queues: dict[str, asyncio.Queue[Chunk | BaseException]] = {}
+        self._queues: dict[str, ChunkQueue] = {}
         self._prepared: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self._piece_buf = ctypes.create_string_buffer(256)
         self.tokens_generated = 0
@@ -264,7 +265,7 @@ class LlamaCppEngine:
         tokens = self._prepared.pop(request.request_id, None)
         if tokens is None:
             tokens = self._prompt_tokens(request)
-        queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
+        queue: ChunkQueue = asyncio.Queue()
         self._queues[request.request_id] = queue
         seq = _Sequence(
             request_id=request.request_id,
@@ -278,20 +279,12 @@ class LlamaCppEngine:
                 raise EngineError(f"the engine failed: {self._failed}")
             self._inbox.append(seq)
             self._cv.notify()
-        finished = False
+        reader = ChunkReader(queue)
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finish_reason is not None:
-                    finished = True
-                yield item
-                if finished:
-                    return
+            async for chunk in reader:
+                yield chunk
         finally:
-            if not finished:
+            if not reader.finished:
                 self._request_abort(request.request_id)
             else:
                 self._queues.pop(request.request_id, None)

@@ -186,7 +186,10 @@ class RequestStream:
                     with contextlib.suppress(Exception):
                         await _shielded(aclose())
         finally:
-            await self._gateway._settle(self._hold, rec)
+            try:
+                await self._gateway._settle(self._hold, rec)
+            finally:
+                self._gateway._open.discard(self)
 
 
 async def _shielded(aw: Awaitable[T]) -> T:
@@ -333,7 +336,6 @@ class Gateway:
         try:
             await _shielded(self.meter.settle(hold, settlement))
         finally:
-            self._open = {s for s in self._open if s.request_id != record.request_id}
             self.records[record.request_id] = record
             if len(self.records) > 10_000:
                 self.records.pop(next(iter(self.records)))

@@ -42,6 +42,7 @@ from tokenmill.engines.base import (
     SamplingParams,
     Usage,
 )
+from tokenmill.engines.chunks import ChunkQueue, ChunkReader
 from tokenmill.errors import EngineError, TokenmillError
 
 log = logging.getLogger("tokenmill.gateway.process")
@@ -143,7 +144,7 @@ def decode_error(d: dict[str, Any]) -> TokenmillError:
 
 @dataclass(eq=False)
 class _Pending:
-    queue: asyncio.Queue[Chunk | BaseException]
+    queue: ChunkQueue
     final: asyncio.Future[Usage | None]
     abort_sent: bool = False
 
@@ -423,20 +424,12 @@ class ProcessEngine:
         except BaseException:
             child.pending.pop(rid, None)
             raise
-        finished = False
+        reader = ChunkReader(p.queue)
         try:
-            while True:
-                item = await p.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finish_reason is not None:
-                    finished = True
-                yield item
-                if finished:
-                    return
+            async for chunk in reader:
+                yield chunk
         finally:
-            if finished:
+            if reader.finished:
                 child.pending.pop(rid, None)
             else:  # the caller must call abort(), which also forgets the request
                 self._send_abort(child, rid, p)
