@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import logging
 import os
 import random
@@ -43,10 +42,10 @@ from tokenmill.engines.base import (
     SamplingParams,
     Usage,
 )
-from tokenmill.engines.chat_template import render_chat
 from tokenmill.engines.chunks import ChunkQueue, ChunkReader
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.textstream import TextStream
+from tokenmill.engines.vocab import Vocab, init_backend
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
 
 __all__ = ["LlamaCppEngine", "embedded_model_path"]
@@ -57,6 +56,9 @@ log = logging.getLogger("tokenmill.engines.llamacpp")
 # 2k-token prompt is in after 4 steps, small enough that a step with 16 decoding
 # streams stays a few tens of ms.
 PREFILL_CHUNK = 512
+# A cached prefix this much longer than the lowest free slot's is worth taking a
+# slot out of order for (see LlamaCppEngine._assign).
+PREFIX_REUSE_MIN = 64
 # Penalties look back this many generated tokens (llama.cpp's default).
 PENALTY_LAST_N = 64
 # An abort is answered within one decode step; this only guards against a wedged loop.
@@ -86,7 +88,6 @@ class _Slot:
     index: int
     tokens: list[int] = field(default_factory=list)  # what the slot's KV holds
     seq: _Sequence | None = None
-    last_used: float = 0.0
 
 
 class LlamaCppEngine:
@@ -108,12 +109,9 @@ class LlamaCppEngine:
         self.n_threads = n_threads or max(1, os.cpu_count() or 1)
         self._model: Any = None
         self._ctx: Any = None
-        self._vocab: Any = None
+        self._vocab: Vocab | None = None
         self._mem: Any = None
         self._batch: Any = None
-        self._template: str | None = None
-        self._bos = ""
-        self._eos = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._cv = threading.Condition()
@@ -125,9 +123,9 @@ class LlamaCppEngine:
         self._start_lock = asyncio.Lock()
         self._queues: dict[str, ChunkQueue] = {}
         self._prepared: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
-        self._piece_buf = ctypes.create_string_buffer(256)
         self.tokens_generated = 0
         self.steps = 0
+        self._decoding_since: float | None = None  # set while llama_decode runs
         self._failed: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------
@@ -159,8 +157,7 @@ class LlamaCppEngine:
         path = self.model_path or embedded_model_path()
         if not path.is_file():
             raise EngineError(f"model file not found: {path}")
-        ll.llama_backend_init()
-        _silence_llama_logs()
+        init_backend()
         mparams = ll.llama_model_default_params()
         model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
@@ -179,15 +176,11 @@ class LlamaCppEngine:
             ll.llama_model_free(model)
             raise EngineError("llama.cpp could not create a context (out of memory?)")
         self._model, self._ctx = model, ctx
-        self._vocab = ll.llama_model_get_vocab(model)
+        self._vocab = Vocab(model)
         self._mem = ll.llama_get_memory(ctx)
         self.n_ctx_seq = ll.llama_n_ctx_seq(ctx)
         self._batch = ll.llama_batch_init(cparams.n_batch, 0, 1)
         self._batch_cap = cparams.n_batch
-        tmpl = ll.llama_model_chat_template(model, None)
-        self._template = tmpl.decode() if tmpl else None
-        self._bos = self._token_text(ll.llama_vocab_bos(self._vocab))
-        self._eos = self._token_text(ll.llama_vocab_eos(self._vocab))
         self._slots = [_Slot(i) for i in range(self.max_num_seqs)]
         log.info(
             "loaded %s: %d slots x %d tokens, %d threads",
@@ -210,28 +203,11 @@ class LlamaCppEngine:
 
     # -- prompt ------------------------------------------------------------------
 
-    def _token_text(self, token: int) -> str:
-        if token < 0:
-            return ""
-        raw = ll.llama_vocab_get_text(self._vocab, token)
-        return raw.decode("utf-8", errors="replace") if raw else ""
-
-    def render(self, request: GenerationRequest) -> str:
-        if request.prompt is not None:
-            return request.prompt
-        assert request.messages is not None
-        source = request.chat_template or self._template
-        return render_chat(source, request.messages, self._bos, self._eos)
-
-    def tokenize(self, text: str) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (ll.llama_token * cap)()
-        n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, True, True)
-        if n < 0:
-            buf = (ll.llama_token * -n)()
-            n = ll.llama_tokenize(self._vocab, data, len(data), buf, -n, True, True)
-        return list(buf[:n])
+    @property
+    def vocab(self) -> Vocab:
+        if self._vocab is None:
+            raise EngineError("the model is not loaded")
+        return self._vocab
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
         if self._vocab is None:
@@ -243,7 +219,7 @@ class LlamaCppEngine:
         return PromptInfo(prompt_tokens=len(tokens), context_length=self.n_ctx_seq)
 
     def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
-        tokens = self.tokenize(self.render(request))
+        tokens = self.vocab.tokenize(self.vocab.render(request))
         if not tokens:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         # max_tokens 0 means "as many as fit": the prompt must leave room for one.
@@ -324,7 +300,13 @@ class LlamaCppEngine:
             waiting=len(self._inbox),
             tokens_generated=self.tokens_generated,
             kv_cache_usage=used / total,
+            detail={"stalled_s": self.stalled_s()},
         )
+
+    def stalled_s(self) -> float:
+        """How long the decode step in progress has been running (0 between steps)."""
+        since = self._decoding_since
+        return 0.0 if since is None else time.monotonic() - since
 
     # -- decode thread ---------------------------------------------------------------
 
@@ -386,18 +368,22 @@ class LlamaCppEngine:
         return admitted
 
     def _assign(self, seq: _Sequence) -> None:
-        """Put a request in the free slot whose cached tokens share its longest prefix."""
-        best: _Slot | None = None
-        best_common = -1
-        for slot in self._slots:
-            if slot.seq is not None:
-                continue
+        """Put a request in the lowest free slot, or in the free slot whose cached
+        tokens share a much longer prefix with its prompt.
+
+        Low slots first keeps the running sequences in one run of consecutive ids,
+        which llama.cpp decodes in one pass (see ``_step``); a gap costs a second
+        pass on every step while it lasts, so only a long cached prefix is worth one.
+        """
+        free = [slot for slot in self._slots if slot.seq is None]
+        lowest = free[0]
+        best, best_common = lowest, _common_prefix(lowest.tokens, seq.prompt)
+        for slot in free[1:]:
             common = _common_prefix(slot.tokens, seq.prompt)
-            if common > best_common or (
-                common == best_common and best is not None and slot.last_used < best.last_used
+            if common >= best_common + PREFIX_REUSE_MIN or (
+                common > best_common and best is not lowest
             ):
                 best, best_common = slot, common
-        assert best is not None
         # At least one prompt token must be decoded to get logits for the first sample.
         keep = min(best_common, len(seq.prompt) - 1)
         if not ll.llama_memory_seq_rm(self._mem, best.index, keep, -1):
@@ -420,7 +406,7 @@ class LlamaCppEngine:
             add(
                 chain,
                 ll.llama_sampler_init_penalties(
-                    ll.llama_vocab_n_tokens(self._vocab),
+                    self.vocab.n_tokens,
                     PENALTY_LAST_N,
                     p.repetition_penalty,
                     p.frequency_penalty,
@@ -443,53 +429,66 @@ class LlamaCppEngine:
 
     def _step(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
         batch = self._batch
+        # Every decoding sequence gets its next token; the prompt budget left goes to
+        # prefilling sequences first come, first served (dict order is arrival order).
+        decoding = sum(1 for s in self._running.values() if s.n_past >= len(s.prompt))
+        budget = min(PREFILL_CHUNK, self._batch_cap - decoding)
+        grant: dict[str, int] = {}
+        for seq in self._running.values():
+            if budget <= 0:
+                break
+            if seq.n_past < len(seq.prompt):
+                grant[seq.request_id] = take = min(len(seq.prompt) - seq.n_past, budget)
+                budget -= take
+        # The batch itself is laid out in slot order. With one KV stream per slot,
+        # llama.cpp splits a batch into one ubatch (one pass over the weights) per
+        # run of consecutive sequence ids, taking the same number of tokens from each:
+        # in any other order the same tokens cost up to one pass per sequence.
         n = 0
         outputs: list[tuple[_Sequence, int]] = []
-        # Decoding sequences first: one token each keeps every stream moving.
-        prefilling: list[_Sequence] = []
-        for seq in self._running.values():
+        for seq in sorted(self._running.values(), key=_by_slot):
             if seq.n_past >= len(seq.prompt):
                 _batch_add(batch, n, seq.last_token, seq.n_past, seq.slot, True)
                 outputs.append((seq, n))
                 n += 1
-            else:
-                prefilling.append(seq)
-        budget = min(PREFILL_CHUNK, self._batch_cap - n)
-        for seq in prefilling:
-            if budget <= 0:
-                break
-            start = seq.n_past
-            end = min(len(seq.prompt), start + budget)
+                continue
+            take = grant.get(seq.request_id, 0)
+            if take == 0:
+                continue
+            start, end = seq.n_past, seq.n_past + take
             for i in range(start, end):
                 last = i == len(seq.prompt) - 1
                 _batch_add(batch, n, seq.prompt[i], i, seq.slot, last)
                 if last:
                     outputs.append((seq, n))
                 n += 1
-            budget -= end - start
             seq.n_past = end
             self._slots[seq.slot].tokens.extend(seq.prompt[start:end])
         if n == 0:
             return
         batch.n_tokens = n
-        rc = ll.llama_decode(self._ctx, batch)
+        self._decoding_since = time.monotonic()
+        try:
+            rc = ll.llama_decode(self._ctx, batch)
+        finally:
+            self._decoding_since = None
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         self.steps += 1
-        vocab = self._vocab
+        vocab = self.vocab
         for seq, idx in outputs:
             token = ll.llama_sampler_sample(seq.sampler, self._ctx, idx)
             if seq.n_past > len(seq.prompt) or seq.generated > 0:
                 # the previous sampled token is now in the KV cache
                 self._slots[seq.slot].tokens.append(seq.last_token)
-            if not seq.sampling.ignore_eos and ll.llama_vocab_is_eog(vocab, token):
+            if not seq.sampling.ignore_eos and vocab.is_eog(token):
                 self._finish(seq, "stop", events)
                 continue
             seq.generated += 1
             self.tokens_generated += 1
             seq.last_token = token
             seq.n_past = len(seq.prompt) + seq.generated - 1
-            text = seq.stream.feed(self._piece(token))
+            text = seq.stream.feed(vocab.piece(token))
             if seq.stream.stopped:
                 self._finish(seq, "stop", events, text)
             elif seq.generated >= seq.sampling.max_tokens or (
@@ -498,14 +497,6 @@ class LlamaCppEngine:
                 self._finish(seq, "length", events, text + seq.stream.finish())
             elif text:
                 events.append((seq, Chunk(text, tokens=seq.generated)))
-
-    def _piece(self, token: int) -> bytes:
-        buf = self._piece_buf
-        n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-        return buf.raw[:n]
 
     def _finish(
         self,
@@ -522,7 +513,6 @@ class LlamaCppEngine:
         self._running.pop(seq.request_id, None)
         slot = self._slots[seq.slot]
         slot.seq = None
-        slot.last_used = time.monotonic()
         # Keep only what is really in the KV cells: the prompt part decoded so far
         # plus generated tokens already fed back (the last sampled one never was).
         kept = len(slot.tokens)
@@ -546,6 +536,10 @@ class LlamaCppEngine:
             loop.call_soon_threadsafe(deliver)
 
 
+def _by_slot(seq: _Sequence) -> int:
+    return seq.slot
+
+
 def _batch_add(batch: Any, i: int, token: int, pos: int, seq_id: int, logits: bool) -> None:
     batch.token[i] = token
     batch.pos[i] = pos
@@ -560,19 +554,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-_log_callback: Any = None
-
-
-def _silence_llama_logs() -> None:
-    """Route llama.cpp's chatter to nothing unless TOKENMILL_LLAMA_LOG is set."""
-    global _log_callback
-    if os.environ.get("TOKENMILL_LLAMA_LOG") or _log_callback is not None:
-        return
-
-    def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-        return None
-
-    _log_callback = ll.llama_log_callback(_quiet)
-    ll.llama_log_set(_log_callback, ctypes.c_void_p(0))

@@ -1,0 +1,137 @@
+"""The text side of a GGUF model: its tokenizer and chat template.
+
+:class:`Vocab` wraps the vocabulary of a loaded llama.cpp model: the llama.cpp
+engine uses it for its prompts, and :class:`GgufTokenizer` loads a GGUF file with
+``vocab_only`` (no weights, a few MB) so that an upstream deployment counts tokens
+with the same tokenizer as the model behind it.
+
+This module imports ``llama_cpp``; it is loaded lazily, never by ``import tokenmill``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as ll
+
+from tokenmill.engines.base import GenerationRequest
+from tokenmill.engines.chat_template import render_chat
+from tokenmill.engines.embedded import embedded_model_path
+from tokenmill.errors import EngineError
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def init_backend() -> None:
+    """llama.cpp's process-wide init, once; its logs are silenced on the way."""
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            ll.llama_backend_init()
+            _silence_llama_logs()
+            _backend_ready = True
+
+
+class Vocab:
+    """Tokenize and render prompts with one loaded model's vocabulary."""
+
+    def __init__(self, model: Any) -> None:
+        self.handle = ll.llama_model_get_vocab(model)
+        tmpl = ll.llama_model_chat_template(model, None)
+        self.template: str | None = tmpl.decode() if tmpl else None
+        self.bos = self.token_text(ll.llama_vocab_bos(self.handle))
+        self.eos = self.token_text(ll.llama_vocab_eos(self.handle))
+        self.n_tokens = ll.llama_vocab_n_tokens(self.handle)
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    def token_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        raw = ll.llama_vocab_get_text(self.handle, token)
+        return raw.decode("utf-8", errors="replace") if raw else ""
+
+    def render(self, request: GenerationRequest) -> str:
+        """The prompt text: the request's ``prompt``, or its messages through the template."""
+        if request.prompt is not None:
+            return request.prompt
+        assert request.messages is not None
+        source = request.chat_template or self.template
+        return render_chat(source, request.messages, self.bos, self.eos)
+
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of ``text``; ``special`` parses control tokens written as text
+        (a rendered chat template) and adds BOS where the model wants one."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self.handle, data, len(data), buf, cap, special, special)
+        if n < 0:
+            buf = (ll.llama_token * -n)()
+            n = ll.llama_tokenize(self.handle, data, len(data), buf, -n, special, special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """The bytes one token stands for (possibly part of a UTF-8 character)."""
+        buf = self._piece_buf
+        n = ll.llama_token_to_piece(self.handle, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self.handle, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.handle, token))
+
+
+class GgufTokenizer:
+    """A GGUF file's tokenizer and chat template, loaded without its weights.
+
+    ``path`` is a GGUF file, or ``"embedded"`` for the embedded SmolLM2's.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        file = embedded_model_path() if str(path) == "embedded" else Path(path)
+        if not file.is_file():
+            raise EngineError(f"tokenizer file not found: {file}")
+        init_backend()
+        params = ll.llama_model_default_params()
+        params.vocab_only = True
+        self._model = ll.llama_model_load_from_file(str(file).encode(), params)
+        if not self._model:
+            raise EngineError(f"llama.cpp could not read the vocabulary of {file}")
+        self.path = file
+        self.vocab = Vocab(self._model)
+
+    def count_prompt(self, request: GenerationRequest) -> int:
+        return len(self.vocab.tokenize(self.vocab.render(request)))
+
+    def count_text(self, text: str) -> int:
+        """Tokens of generated text (no BOS, control tokens read as plain text)."""
+        return len(self.vocab.tokenize(text, special=False)) if text else 0
+
+    def close(self) -> None:
+        if self._model is not None:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+
+_log_callback: Any = None
+
+
+def _silence_llama_logs() -> None:
+    """Route llama.cpp's chatter to nothing unless TOKENMILL_LLAMA_LOG is set."""
+    global _log_callback
+    import os
+
+    if os.environ.get("TOKENMILL_LLAMA_LOG") or _log_callback is not None:
+        return
+
+    def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+        return None
+
+    _log_callback = ll.llama_log_callback(_quiet)
+    ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
