@@ -60,6 +60,10 @@ class DeploymentConfig(BaseModel):
     # in native code takes down one replica, not the gateway. ``false`` runs the engine
     # in the gateway's process: for embedding tokenmill and for the benchmark's ceiling.
     isolated: bool = True
+    # A replica process that answers no health probe for health_check_timeout_s (or
+    # whose decode step runs that long) is wedged: it is killed and restarted.
+    health_check_interval_s: float = Field(default=5.0, gt=0)
+    health_check_timeout_s: float = Field(default=30.0, gt=0)
 
     # upstream
     url: str | None = None
@@ -67,6 +71,11 @@ class DeploymentConfig(BaseModel):
     api_key: str | None = None
     headers: dict[str, str] = Field(default_factory=dict)
     timeout_s: float = Field(default=600.0, gt=0)
+    # A GGUF file whose tokenizer and chat template match the upstream model ("embedded":
+    # the embedded SmolLM2's), read without its weights. Prompts are then counted exactly
+    # for admission and the credit hold, and completions when the upstream reports no
+    # usage; without it both are estimated from the text (about 4 characters a token).
+    tokenizer: str | None = None
 
     @model_validator(mode="after")
     def _engine_fields(self) -> DeploymentConfig:
@@ -75,6 +84,8 @@ class DeploymentConfig(BaseModel):
                 raise ValueError("an upstream deployment needs 'url'")
             if not self.url.rstrip("/").endswith("/v1"):
                 raise ValueError("'url' must be an OpenAI-compatible base URL ending in /v1")
+        elif self.tokenizer is not None:
+            raise ValueError("'tokenizer' is for upstream deployments (llamacpp uses its model's)")
         return self
 
     @field_validator("model")
@@ -83,6 +94,13 @@ class DeploymentConfig(BaseModel):
         # A field validator, so the message names the key: deployments.N.model.
         if v is not None and not v.is_file():
             raise ValueError(f"model file not found: {v}")
+        return v
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_exists(cls, v: str | None) -> str | None:
+        if v is not None and v != "embedded" and not Path(v).is_file():
+            raise ValueError(f'tokenizer file not found: {v} (a GGUF file, or "embedded")')
         return v
 
 
@@ -161,9 +179,10 @@ def load_settings(
             raise ConfigError(f"{config_file}: not valid TOML: {e}") from None
         base = config_file.parent
         for d in data.get("deployments", []):
-            if isinstance(d, dict) and isinstance(d.get("model"), str):
-                p = Path(d["model"]).expanduser()
-                d["model"] = str(p if p.is_absolute() else base / p)
+            for key in ("model", "tokenizer"):
+                if isinstance(d, dict) and isinstance(d.get(key), str) and d[key] != "embedded":
+                    p = Path(d[key]).expanduser()
+                    d[key] = str(p if p.is_absolute() else base / p)
     for key in _ENV_KEYS:
         value = env.get(f"TOKENMILL_{key.upper()}")
         if value:

@@ -9,15 +9,18 @@ Retries: connect errors and 5xx answers are retried with backoff, but only befor
 the upstream's first chunk (so before a byte of the completion reached the client);
 after that a failure ends the stream with :class:`EngineError`.
 
-Token counts. An OpenAI-compatible API cannot tokenize without generating, so
-:meth:`UpstreamEngine.prepare` *estimates* the prompt (about 4 characters per token
-plus a few tokens per chat message) for admission and the credit hold, and never
-refuses a prompt as too long: the upstream enforces its own window. The usage
-that is billed comes from the upstream's final usage chunk; when an upstream sends
-none, prompt tokens stay the estimate and completion tokens are the number of
-content chunks received (servers that stream send one token per chunk), at least
-the character estimate of the text. ``context_length`` is the deployment's
-``n_ctx``: the window assumed when a client sends no ``max_tokens``.
+Token counts. The usage that is billed comes from the upstream's final usage
+chunk. Before generation (admission and the credit hold) and when an upstream
+reports no usage, tokens are counted with the deployment's ``tokenizer``: a GGUF
+file matching the upstream model, read without its weights
+(:class:`~tokenmill.engines.vocab.GgufTokenizer`), which renders chat messages with
+that model's own template. Without one, an OpenAI-compatible API cannot tokenize
+without generating, so the prompt is *estimated* (about 4 characters a token plus a
+few tokens a message). Completion tokens without upstream usage are at least the
+number of content chunks received (streaming servers send about one token a chunk).
+A prompt is never refused as too long here: the upstream enforces its own window.
+``context_length`` is the deployment's ``n_ctx``: the window assumed when a client
+sends no ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -52,6 +55,9 @@ from tokenmill.errors import (
     UnavailableError,
 )
 
+if TYPE_CHECKING:
+    from tokenmill.engines.vocab import GgufTokenizer
+
 log = logging.getLogger("tokenmill.engines.upstream")
 
 # Retries before the first byte: 3 more attempts after 0.25 s, 0.5 s, 1 s (+ jitter).
@@ -62,6 +68,10 @@ CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
 # Final usage of recently ended requests, for abort() calls that arrive after the end.
 RECENT = 1024
+# Prompt counts kept between prepare() and generate().
+PREPARED_CACHE = 512
+# Texts longer than this are tokenized off the event loop.
+TOKENIZE_INLINE_CHARS = 16_384
 
 
 def estimate_tokens(text: str) -> int:
@@ -80,13 +90,24 @@ def estimate_prompt(request: GenerationRequest) -> int:
 @dataclass
 class _Running:
     prompt_tokens: int
+    tokenizer: GgufTokenizer | None
     chunks: int = 0
-    chars: int = 0
+    parts: list[str] = field(default_factory=list)
     response: httpx.Response | None = None
     aborted: bool = False
 
+    def add(self, text: str) -> None:
+        self.chunks += 1
+        self.parts.append(text)
+
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, max(self.chunks, math.ceil(self.chars / CHARS_PER_TOKEN)))
+        """What was produced, counted here (the upstream reported nothing)."""
+        text = "".join(self.parts)
+        if self.tokenizer is not None:
+            counted = self.tokenizer.count_text(text)
+        else:
+            counted = estimate_tokens(text)
+        return Usage(self.prompt_tokens, max(self.chunks, counted))
 
 
 class UpstreamEngine:
@@ -107,10 +128,17 @@ class UpstreamEngine:
         self._client: httpx.AsyncClient | None = None
         self._running: dict[str, _Running] = {}
         self._recent: OrderedDict[str, Usage] = OrderedDict()
+        self._prepared: OrderedDict[str, int] = OrderedDict()
+        self._tokenizer: GgufTokenizer | None = None
         self.tokens_generated = 0
         self.failures = 0
 
     async def start(self) -> None:
+        if self.config.tokenizer and self._tokenizer is None:
+            from tokenmill.engines.vocab import GgufTokenizer
+
+            self._tokenizer = await asyncio.to_thread(GgufTokenizer, self.config.tokenizer)
+            log.info("%s counts tokens with %s", self.config.id, self._tokenizer.path.name)
         if self._client is None:
             self._client = httpx.AsyncClient(
                 headers=self._headers,
@@ -126,11 +154,27 @@ class UpstreamEngine:
             r.aborted = True
         if client is not None:
             await client.aclose()
+        tokenizer, self._tokenizer = self._tokenizer, None
+        if tokenizer is not None:
+            tokenizer.close()
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
         if self._client is None:
             await self.start()
-        return PromptInfo(estimate_prompt(request), self.config.n_ctx)
+        n = await self._count_prompt(request)
+        self._prepared[request.request_id] = n
+        while len(self._prepared) > PREPARED_CACHE:
+            self._prepared.popitem(last=False)
+        return PromptInfo(n, self.config.n_ctx)
+
+    async def _count_prompt(self, request: GenerationRequest) -> int:
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            return estimate_prompt(request)
+        size = len(request.prompt or "") + sum(len(m.content) for m in request.messages or ())
+        if size > TOKENIZE_INLINE_CHARS:
+            return max(1, await asyncio.to_thread(tokenizer.count_prompt, request))
+        return max(1, tokenizer.count_prompt(request))
 
     def health(self) -> EngineHealth:
         return EngineHealth(
@@ -236,7 +280,10 @@ class UpstreamEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         rid = request.request_id
         path, body = self._body(request)
-        state = _Running(prompt_tokens=estimate_prompt(request))
+        prompt_tokens = self._prepared.pop(rid, None)
+        if prompt_tokens is None:
+            prompt_tokens = await self._count_prompt(request)
+        state = _Running(prompt_tokens, self._tokenizer)
         self._running[rid] = state
         finish: FinishReason | None = None
         usage: Usage | None = None
@@ -266,8 +313,7 @@ class UpstreamEngine:
                     for choice in event.get("choices") or ():
                         text = _choice_text(choice)
                         if text:
-                            state.chunks += 1
-                            state.chars += len(text)
+                            state.add(text)
                             self.tokens_generated += 1
                             yield Chunk(text)
                         if choice.get("finish_reason"):

@@ -5,6 +5,11 @@ most ``queue_timeout_s``, or is refused with :class:`OverloadedError` (429 with
 ``Retry-After``). Nothing waits unboundedly and an admitted request is never dropped.
 Releasing a permit hands it straight to the oldest waiter, so capacity returns to
 the pool the instant a stream ends.
+
+Capacity follows the replicas that can serve (:meth:`Admission.resize`): while a
+replica restarts its slots leave the pool, and with none left requests wait in the
+queue for one to come back instead of failing at once; a request that waited out
+its timeout with no replica at all gets 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import collections
 import contextlib
 import time
 
-from tokenmill.errors import OverloadedError
+from tokenmill.errors import OverloadedError, UnavailableError
 
 
 class Admission:
@@ -56,6 +61,11 @@ class Admission:
                 return time.monotonic() - start  # granted at the last moment: keep it
             fut.cancel()
             self._remove(fut)
+            if self.capacity == 0:
+                raise UnavailableError(
+                    f"no replica was ready to serve within {self.queue_timeout_s:g}s; retry later",
+                    retry_after=self.retry_after(),
+                ) from None
             raise OverloadedError(
                 f"the request waited {self.queue_timeout_s:g}s in the queue without "
                 "getting a slot; retry later",
@@ -75,6 +85,9 @@ class Admission:
     def release(self, held_s: float | None = None) -> None:
         if held_s is not None:
             self._hold_s = 0.8 * self._hold_s + 0.2 * held_s
+        if self.active > self.capacity:  # capacity shrank (a replica is down)
+            self.active -= 1
+            return
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():

@@ -50,6 +50,16 @@ class Replica:
         await self.engine.close()
         self.state = "unloaded"
 
+    def available(self) -> bool:
+        """Counts toward the deployment's capacity: serving, or loads on demand.
+
+        A ready replica whose engine is down (a process replica between a crash
+        and its restart) does not.
+        """
+        if self.state in ("unloaded", "loading"):
+            return True
+        return self.state == "ready" and self.engine.health().ready
+
     def describe(self) -> dict[str, Any]:
         h = self.engine.health()
         pid = getattr(self.engine, "pid", None)
@@ -86,7 +96,12 @@ def build_engine(config: DeploymentConfig) -> Engine:
             kwargs["n_threads"] = max(1, (os.cpu_count() or 1) // config.replicas)
         if config.isolated:
             cls = load_engine_class("tokenmill.gateway.process:ProcessEngine")
-            return cls("llamacpp", kwargs)  # type: ignore[no-any-return]
+            return cls(  # type: ignore[no-any-return]
+                "llamacpp",
+                kwargs,
+                probe_interval_s=config.health_check_interval_s,
+                probe_timeout_s=config.health_check_timeout_s,
+            )
         return load_engine_class("llamacpp")(**kwargs)  # type: ignore[no-any-return]
     return load_engine_class(config.engine)(config)  # type: ignore[no-any-return]
 
@@ -110,6 +125,10 @@ class Deployment:
             max_queue=config.max_queue,
             queue_timeout_s=config.queue_timeout_s,
         )
+        for replica in self.replicas:
+            watch = getattr(replica.engine, "watch", None)
+            if callable(watch):  # engines whose replicas can go down and come back
+                watch(self.refresh_capacity)
         self.created = int(time.time())
         self._load_lock = asyncio.Lock()
         self._idle = _Idle()
@@ -135,9 +154,12 @@ class Deployment:
         if not ready:
             if all(r.state == "unloaded" for r in self.replicas):
                 async with self._load_lock:
-                    await asyncio.gather(
-                        *(r.start() for r in self.replicas if r.state == "unloaded")
-                    )
+                    try:
+                        await asyncio.gather(
+                            *(r.start() for r in self.replicas if r.state == "unloaded")
+                        )
+                    finally:
+                        self.refresh_capacity()
                 ready = [r for r in self.replicas if r.state == "ready"]
             if not ready:
                 states = ", ".join(r.state for r in self.replicas)
@@ -148,6 +170,13 @@ class Deployment:
         best.in_flight += 1
         best.last_used = time.monotonic()
         return best
+
+    def refresh_capacity(self) -> None:
+        """Admit against the slots of the replicas that can serve right now."""
+        capacity = sum(r.slots for r in self.replicas if r.available())
+        if capacity != self.admission.capacity:
+            log.info("deployment %s: capacity %d slots", self.id, capacity)
+            self.admission.resize(capacity)
 
     def release(self, replica: Replica) -> None:
         replica.in_flight -= 1
@@ -164,6 +193,7 @@ class Deployment:
                     async with self._load_lock:
                         log.info("unloading idle replica %s/%d", self.id, r.index)
                         await r.close()
+                        self.refresh_capacity()
 
     def describe(self) -> dict[str, Any]:
         return {

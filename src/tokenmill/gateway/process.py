@@ -12,9 +12,15 @@ child batches every chunk the engine produced in one decode step into one
 ``chunks`` frame, so the per-token cost is one small frame per step shared by all
 running streams, not one round trip per token.
 
-Frames, gateway -> child: ``prepare``, ``generate``, ``abort`` (by id), ``close``.
-Child -> gateway: ``ready`` / ``fatal`` (start-up), ``prepared``, ``chunks``,
-``error`` (by id), ``status`` (the health snapshot, pushed when it changes).
+Frames, gateway -> child: ``prepare``, ``generate``, ``abort`` (by id), ``ping``,
+``close``. Child -> gateway: ``ready`` / ``fatal`` (start-up), ``prepared``,
+``chunks``, ``error`` (by id), ``status`` (the health snapshot, pushed when it
+changes), ``pong``.
+
+Health: a child can be alive yet wedged (a native call that never returns, a
+stopped process). The gateway pings it every ``probe_interval_s``; a child whose
+last answer is older than ``probe_timeout_s``, or whose engine reports one decode
+step running longer than that, is killed, and handled like any other death.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +63,9 @@ STABLE_AFTER_S = 60.0
 # An abort is answered within a decode step; this guards against a wedged child.
 ABORT_WAIT_S = 10.0
 CLOSE_WAIT_S = 10.0
+# Health probe defaults (per deployment: health_check_interval_s / _timeout_s).
+PROBE_INTERVAL_S = 5.0
+PROBE_TIMEOUT_S = 30.0
 
 
 # -- wire format (shared with runner.py) ------------------------------------------
@@ -160,6 +169,7 @@ class _Child:
     pending: dict[str, _Pending] = field(default_factory=dict)
     prepares: dict[str, asyncio.Future[PromptInfo]] = field(default_factory=dict)
     lost: bool = False
+    answered: float = field(default_factory=time.monotonic)  # last frame received
 
     def send(self, message: dict[str, Any]) -> None:
         if self.lost or self.writer.is_closing():
@@ -170,8 +180,17 @@ class _Child:
 class ProcessEngine:
     """An engine in a supervised child process. See the module docstring."""
 
-    def __init__(self, engine: str, kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        engine: str,
+        kwargs: dict[str, Any],
+        *,
+        probe_interval_s: float = PROBE_INTERVAL_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
+    ) -> None:
         self.engine_name = engine
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
         self.name = f"process:{engine}"
         # Paths and the like travel as JSON: the child rebuilds them from strings.
         self.kwargs = {
@@ -185,6 +204,8 @@ class ProcessEngine:
         self._slots = int(kwargs.get("max_num_seqs") or 1)
         self._supervisor: asyncio.Task[None] | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        self._watchers: list[Callable[[], None]] = []
         self._lost = asyncio.Event()
         self._closing = False
         self._lock = asyncio.Lock()
@@ -213,6 +234,17 @@ class ProcessEngine:
             detail={"pid": self.pid, "restarts": self.restarts},
         )
 
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever the replica becomes ready or stops being ready."""
+        self._watchers.append(callback)
+
+    def _set_ready(self, ready: bool) -> None:
+        changed = ready != self._ready
+        self._ready = ready
+        if changed:
+            for callback in self._watchers:
+                callback()
+
     # -- lifecycle --------------------------------------------------------------
 
     async def start(self) -> None:
@@ -232,7 +264,7 @@ class ProcessEngine:
                     await self._supervisor
                 self._supervisor = None
             child = self._child
-            self._ready = False
+            self._set_ready(False)
             if child is not None:
                 with contextlib.suppress(Exception):
                     child.send({"op": "close"})
@@ -243,10 +275,11 @@ class ProcessEngine:
                     child.proc.kill()
                     await child.proc.wait()
                 self._fail_child(child, EngineError("the replica is shutting down"))
-                if self._reader_task is not None:
-                    self._reader_task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await self._reader_task
+                for task in (self._reader_task, self._probe_task):
+                    if task is not None:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
                 self._child = None
             self._state = "unloaded"
 
@@ -301,8 +334,9 @@ class ProcessEngine:
         self._child = child
         self._lost.clear()
         self._reader_task = asyncio.create_task(self._read_loop(child))
-        self._ready = True
+        self._probe_task = asyncio.create_task(self._probe(child))
         self._state = "ready"
+        self._set_ready(True)
         log.info("replica process %d ready (%s)", proc.pid, self.engine_name)
 
     async def _supervise(self) -> None:
@@ -332,6 +366,28 @@ class ProcessEngine:
                 except Exception as e:
                     log.error("restarting the replica failed: %s", e)
 
+    async def _probe(self, child: _Child) -> None:
+        """Kill the child when it stops answering pings or a decode step hangs."""
+        while not child.lost:
+            await asyncio.sleep(self.probe_interval_s)
+            if child.lost:
+                return
+            silent = time.monotonic() - child.answered
+            stalled = float(self._status.get("stalled_s", 0.0))
+            if silent > self.probe_timeout_s or stalled > self.probe_timeout_s:
+                what = f"silent for {silent:.1f}s" if silent > stalled else "decode stalled"
+                log.error(
+                    "replica process %d is wedged (%s; limit %gs); killing it",
+                    child.proc.pid,
+                    what,
+                    self.probe_timeout_s,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
+                return
+            with contextlib.suppress(EngineError):
+                child.send({"op": "ping"})
+
     async def _read_loop(self, child: _Child) -> None:
         pending = child.pending
         try:
@@ -339,6 +395,7 @@ class ProcessEngine:
                 msg = await read_frame(child.reader)
                 if msg is None:
                     break
+                child.answered = time.monotonic()
                 op = msg["op"]
                 if op == "chunks":
                     for rid, text, reason, usage, tokens in msg["c"]:
@@ -351,7 +408,7 @@ class ProcessEngine:
                         # that left before this last chunk asks abort() for the usage.
                         if reason is not None and not p.final.done():
                             p.final.set_result(u)
-                elif op == "status":
+                elif op in ("status", "pong"):
                     self._status = msg["status"]
                 elif op == "prepared":
                     fut = child.prepares.pop(msg["id"], None)
@@ -373,9 +430,9 @@ class ProcessEngine:
         finally:
             # EOF: the child died (or is closing). Nothing it had will ever answer.
             if child is self._child:
-                self._ready = False
                 if not self._closing:
                     self._state = "unhealthy"
+                self._set_ready(False)
             self._fail_child(
                 child, EngineError("the replica process died during the request; retry it")
             )

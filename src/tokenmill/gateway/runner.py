@@ -80,6 +80,7 @@ class Runner:
 
     def status(self) -> dict[str, Any]:
         h = self.engine.health()
+        stalled = h.detail.get("stalled_s", 0)
         return {
             "ready": h.ready,
             "slots": h.slots,
@@ -87,6 +88,9 @@ class Runner:
             "waiting": h.waiting,
             "tokens_generated": h.tokens_generated,
             "kv_cache_usage": round(h.kv_cache_usage, 4),
+            # Whole seconds the current decode step has been running: the gateway's
+            # probe kills a child whose engine hangs in native code.
+            "stalled_s": int(stalled) if isinstance(stalled, int | float) else 0,
         }
 
     async def push_status(self) -> None:
@@ -186,6 +190,8 @@ async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
                     t.add_done_callback(aborts.discard)
             elif op == "prepare":
                 await runner.prepare(decode_request(msg["req"]))
+            elif op == "ping":
+                out.send({"op": "pong", "status": runner.status()})
             await writer.drain()
     finally:
         status_task.cancel()

@@ -1,0 +1,244 @@
+"""Replicas that wedge or restart, and upstream deployments that count with a tokenizer.
+
+- A replica process that stops answering (SIGSTOP) is found by the health probe,
+  killed and restarted; its streams end with an error event and ``[DONE]``.
+- While the only replica restarts, its slots leave the admission pool: requests wait
+  in the queue for it and succeed; one that waits out ``queue_timeout_s`` with no
+  replica back gets 503 with ``Retry-After``.
+- An upstream that reports no usage is billed with the deployment's tokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess, free_port, launch
+from tests.gateway.no_usage_upstream import TEXT
+from tests.gateway.test_deployments import COUNTING, events
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBED = """
+[[deployments]]
+id = "probed"
+max_num_seqs = 2
+n_ctx = 512
+n_threads = 1
+health_check_interval_s = 0.25
+health_check_timeout_s = 1.5
+"""
+
+
+def replica(c: httpx.Client, dep: str) -> dict[str, Any]:
+    r = c.get(f"/v1/deployments/{dep}")
+    assert r.status_code == 200, r.text
+    return dict(r.json()["replicas"][0])
+
+
+def wait_state(c: httpx.Client, dep: str, ok: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while True:
+        rep = replica(c, dep)
+        if ok(rep):
+            return rep
+        assert time.monotonic() < deadline, rep
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = launch(tmp_path_factory.mktemp("probed"), config=PROBED)
+    yield srv
+    srv.stop()
+
+
+def test_a_wedged_replica_is_killed_and_restarted(probed: ServerProcess) -> None:
+    with httpx.Client(base_url=probed.url, timeout=60.0) as c:
+        before = replica(c, "probed")
+        body = {"model": "probed", "prompt": COUNTING, "max_tokens": 400, "stream": True}
+        body |= {"temperature": 0, "ignore_eos": True}
+        stopped_at = 0.0
+        tail: list[dict[str, Any] | str] = []
+        try:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                for e in events(r):
+                    if stopped_at:
+                        tail.append(e)
+                    elif isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]:
+                        # Alive but answering nothing: what a hung native call looks like.
+                        os.kill(before["pid"], signal.SIGSTOP)
+                        stopped_at = time.monotonic()
+            ended = time.monotonic() - stopped_at
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(before["pid"], signal.SIGCONT)
+        # Found within the 1.5 s timeout plus a 0.25 s probe period, then killed.
+        assert stopped_at and 1.5 <= ended < 4.0, ended
+        assert tail[-1] == "[DONE]"
+        errors = [e for e in tail if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail
+        after = wait_state(c, "probed", lambda rep: rep["state"] == "ready")
+        assert after["pid"] not in (None, before["pid"])
+        assert after["restarts"] == before["restarts"] + 1
+        with pytest.raises(ProcessLookupError):  # killed, not left stopped
+            for _ in range(50):
+                os.kill(before["pid"], 0)
+                time.sleep(0.1)
+        r2 = c.post("/v1/completions", json={"model": "probed", "prompt": "Hi", "max_tokens": 4})
+        assert r2.status_code == 200, r2.text
+    assert "is wedged" in probed.log()
+
+
+def test_requests_wait_for_a_restarting_replica(probed: ServerProcess) -> None:
+    with httpx.Client(base_url=probed.url, timeout=60.0) as c:
+        before = wait_state(c, "probed", lambda rep: rep["state"] == "ready")
+        os.kill(before["pid"], signal.SIGKILL)
+        wait_state(c, "probed", lambda rep: rep["state"] != "ready")
+        # No replica now: before, this was an immediate 503; now it waits for the restart.
+        body = {"model": "probed", "prompt": COUNTING, "max_tokens": 4, "temperature": 0}
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"]
+        after = replica(c, "probed")
+        assert after["state"] == "ready" and after["pid"] != before["pid"]
+
+
+def test_no_replica_back_within_the_queue_timeout_is_503(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    # Restarts wait 0.5 s first: longer than this queue timeout.
+    srv = start_server(config=PROBED + "queue_timeout_s = 0.2\n")
+    with httpx.Client(base_url=srv.url, timeout=60.0) as c:
+        pid = replica(c, "probed")["pid"]
+        os.kill(pid, signal.SIGKILL)
+        wait_state(c, "probed", lambda rep: rep["state"] != "ready")
+        r = c.post("/v1/completions", json={"model": "probed", "prompt": "Hi", "max_tokens": 4})
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "no replica" in err["message"]
+        wait_state(c, "probed", lambda rep: rep["state"] == "ready")
+        r = c.post("/v1/completions", json={"model": "probed", "prompt": "Hi", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+
+
+# -- upstream token counting -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def no_usage_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("upstream") / "upstream.log"
+    cmd = [sys.executable, "-m", "uvicorn", "tests.gateway.no_usage_upstream:app"]
+    cmd += ["--port", str(port), "--log-level", "warning"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(url, timeout=1.0)
+                break
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def counting_gw(
+    tmp_path_factory: pytest.TempPathFactory, no_usage_upstream: str
+) -> Iterator[ServerProcess]:
+    config = f"""
+[[deployments]]
+id = "local"
+max_num_seqs = 1
+n_ctx = 512
+n_threads = 1
+
+[[deployments]]
+id = "counted"
+engine = "upstream"
+url = "{no_usage_upstream}"
+tokenizer = "embedded"
+
+[[deployments]]
+id = "estimated"
+engine = "upstream"
+url = "{no_usage_upstream}"
+"""
+    srv = launch(tmp_path_factory.mktemp("counting"), config=config)
+    yield srv
+    srv.stop()
+
+
+def test_upstream_without_usage_is_counted_with_the_tokenizer(counting_gw: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "Tell me about foxes, briefly."}]
+    with httpx.Client(base_url=counting_gw.url, timeout=60.0) as c:
+        # The oracle: the same model's own engine counting the same prompt and text.
+        local = c.post(
+            "/v1/chat/completions", json={"model": "local", "messages": messages, "max_tokens": 1}
+        ).json()["usage"]
+        text_tokens = c.post(
+            "/v1/completions", json={"model": "local", "prompt": TEXT, "max_tokens": 1}
+        ).json()["usage"]["prompt_tokens"]
+
+        body = {"model": "counted", "messages": messages, "max_tokens": 200}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == TEXT
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == local["prompt_tokens"]
+        # Chunks hold several tokens each: counting chunks would bill 14, not 31.
+        assert usage["completion_tokens"] == text_tokens > len(TEXT) // 10 + 1
+
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        with c.stream("POST", "/v1/chat/completions", json=body) as s:
+            last = [e for e in events(s) if isinstance(e, dict)][-1]
+        assert last["usage"]["completion_tokens"] == text_tokens
+        assert last["usage"]["prompt_tokens"] == local["prompt_tokens"]
+
+        # Without a tokenizer the gateway can only estimate (~4 characters a token).
+        est = c.post("/v1/chat/completions", json={**body, "model": "estimated", "stream": False})
+        assert est.status_code == 200, est.text
+        assert est.json()["usage"]["prompt_tokens"] != local["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "expect"),
+    [
+        ('tokenizer = "embedded"', ["deployments.0", "'tokenizer' is for upstream deployments"]),
+        (
+            'engine = "upstream"\nurl = "http://127.0.0.1:9/v1"\ntokenizer = "nope.gguf"',
+            ["deployments.0.tokenizer", "tokenizer file not found", "nope.gguf"],
+        ),
+    ],
+    ids=["tokenizer-on-llamacpp", "missing-tokenizer"],
+)
+def test_tokenizer_configuration_errors(tmp_path: Path, extra: str, expect: list[str]) -> None:
+    srv = launch(tmp_path, config=f'[[deployments]]\nid = "a"\n{extra}\n', wait=False)
+    try:
+        code = srv.proc.wait(timeout=60)
+    finally:
+        srv.stop()
+    out = srv.log()
+    assert code != 0, out
+    for text in expect:
+        assert text in out, out
+    assert "Traceback" not in out
