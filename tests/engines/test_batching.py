@@ -80,6 +80,56 @@ def test_prefix_cache_hit_is_reported(server: ServerProcess) -> None:
     assert first["usage"]["prompt_tokens"] > 40
 
 
+# A long shared prefix that the answer must read: the list can only be repeated from
+# the cached keys and values of the prefix. (Exact token equality with an uncached run
+# is not a property of llama.cpp: a prefix computed in another batch differs in the
+# last bits, which can flip a near-tie between two tokens.)
+WORDS = "apple, river, candle, mountain, violin, copper, forest, lantern, pepper, harbour"
+PREFIX = f"Here is a list of words: {WORDS}.\n" * 6
+
+
+def test_prefix_reused_from_another_slot(start_server: Callable[..., ServerProcess]) -> None:
+    """Cached prefixes move between slots: parked when their slot is retaken, and
+    copied from a slot that is still running."""
+    config = '[[deployments]]\nid = "smollm2"\nmax_num_seqs = 4\n'
+    repeat = {"prompt": PREFIX + "Repeat the list: apple,", "max_tokens": 12, "temperature": 0}
+    story = {"prompt": PREFIX + "Now write a long story.", "max_tokens": 400, "stream": True}
+    story["ignore_eos"] = True
+
+    def complete(url: str) -> tuple[str, int]:
+        r = httpx.post(url + "/v1/completions", json=repeat, timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def while_a_story_runs(url: str) -> tuple[str, int]:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=story) as running:
+                lines = running.iter_lines()  # one iterator: dropping it closes the stream
+                next(line for line in lines if line.startswith("data: {"))
+                out = complete(url)
+                assert next(line for line in lines if line.startswith("data: {"))
+        return out
+
+    x = start_server(config=config)
+    reference, cached = complete(x.url)  # the first request: nothing cached
+    assert cached == 0
+    assert reference.startswith(" river, candle, mountain"), reference
+    one = httpx.post(x.url + "/v1/completions", json={**repeat, "max_tokens": 1}, timeout=60)
+    n_prompt = one.json()["usage"]["prompt_tokens"]
+    # The story takes the slot the list was cached in (it shares the prefix); the
+    # cached request is parked in another slot and found there in full.
+    parked, cached = while_a_story_runs(x.url)
+    assert cached == n_prompt - 1
+    assert parked.startswith(" river, candle, mountain"), parked
+
+    # On a fresh server only the running story's slot holds the prefix: it is copied.
+    y = start_server(config=config)
+    copied, cached = while_a_story_runs(y.url)
+    assert n_prompt - 12 < cached < n_prompt - 1
+    assert copied.startswith(" river, candle, mountain"), copied
+
+
 def test_abort_mid_batch_frees_the_slot(start_server: Callable[..., ServerProcess]) -> None:
     # No queue: the third request is refused unless the aborted stream's slot came back.
     srv = start_server(config='[[deployments]]\nid = "smollm2"\nmax_num_seqs = 2\nmax_queue = 0\n')
