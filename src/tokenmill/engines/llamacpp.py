@@ -48,7 +48,7 @@ from tokenmill.engines.textstream import TextStream
 from tokenmill.engines.vocab import Vocab, init_backend
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
 
-__all__ = ["LlamaCppEngine", "embedded_model_path"]
+__all__ = ["LlamaCppEngine", "StepSink", "embedded_model_path"]
 
 log = logging.getLogger("tokenmill.engines.llamacpp")
 
@@ -66,13 +66,17 @@ ABORT_WAIT_S = 10.0
 # Prepared prompts remembered between prepare() and generate().
 PREPARED_CACHE = 512
 
+# Receives one decode step's chunks (or errors) by request id, on the decode thread.
+StepSink = Callable[[list[tuple[str, "Chunk | BaseException"]]], None]
+
 
 @dataclass(slots=True)
 class _Sequence:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
-    deliver: Callable[[Chunk | BaseException], None]
+    # Called on the event loop with each chunk; None: the step sink takes them.
+    deliver: Callable[[Chunk | BaseException], None] | None
     stream: TextStream
     slot: int = -1
     n_past: int = 0  # tokens of this request already in the slot's KV
@@ -128,6 +132,7 @@ class LlamaCppEngine:
         self.steps = 0
         self.kv_copies = 0  # prefixes copied from another slot (see _assign)
         self._decoding_since: float | None = None  # set while llama_decode runs
+        self._sink: StepSink | None = None
         self._failed: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------
@@ -169,7 +174,12 @@ class LlamaCppEngine:
         cparams.n_seq_max = self.max_num_seqs
         cparams.n_batch = max(PREFILL_CHUNK + self.max_num_seqs, 512)
         cparams.n_ubatch = cparams.n_batch
-        cparams.n_threads = self.n_threads
+        # llama.cpp runs a one-token step (a single stream decoding) on n_threads and
+        # larger ones on n_threads_batch. A one-token step gains little from the last
+        # core, while the stream's own HTTP path (gateway and replica event loops)
+        # needs one, and a preempted thread stalls its partners at every barrier:
+        # measured here on 2 cores, one thread gave ~5% more tokens/s at concurrency 1.
+        cparams.n_threads = max(1, self.n_threads - 1)
         cparams.n_threads_batch = self.n_threads
         cparams.kv_unified = False
         cparams.no_perf = True
@@ -240,23 +250,13 @@ class LlamaCppEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         if self._thread is None:
             await self.start()
-        tokens = self._prepared.pop(request.request_id, None)
-        if tokens is None:
-            tokens = self._prompt_tokens(request)
         queue: ChunkQueue = asyncio.Queue()
         self._queues[request.request_id] = queue
-        seq = _Sequence(
-            request_id=request.request_id,
-            prompt=tokens,
-            sampling=request.sampling,
-            deliver=queue.put_nowait,
-            stream=TextStream(request.sampling.stop),
-        )
-        with self._cv:
-            if self._failed is not None:
-                raise EngineError(f"the engine failed: {self._failed}")
-            self._inbox.append(seq)
-            self._cv.notify()
+        try:
+            self._enqueue(request, queue.put_nowait)
+        except BaseException:
+            self._queues.pop(request.request_id, None)
+            raise
         reader = ChunkReader(queue)
         try:
             async for chunk in reader:
@@ -266,6 +266,52 @@ class LlamaCppEngine:
                 self._request_abort(request.request_id)
             else:
                 self._queues.pop(request.request_id, None)
+
+    def _enqueue(
+        self, request: GenerationRequest, deliver: Callable[[Chunk | BaseException], None] | None
+    ) -> None:
+        tokens = self._prepared.pop(request.request_id, None)
+        if tokens is None:
+            tokens = self._prompt_tokens(request)
+        seq = _Sequence(
+            request_id=request.request_id,
+            prompt=tokens,
+            sampling=request.sampling,
+            deliver=deliver,
+            stream=TextStream(request.sampling.stop),
+        )
+        with self._cv:
+            if self._failed is not None:
+                raise EngineError(f"the engine failed: {self._failed}")
+            self._inbox.append(seq)
+            self._cv.notify()
+
+    # -- the step sink: chunks straight from the decode thread -------------------------
+
+    def set_step_sink(self, sink: StepSink) -> None:
+        """Receive the chunks of :meth:`submit` requests on the decode thread.
+
+        ``sink`` is called once per decode step with every ``(request_id, chunk or
+        error)`` the step produced, before the next step starts. A replica process
+        writes them to the gateway from there, so a token crosses no event loop on
+        its way out (see :mod:`tokenmill.gateway.runner`). It must not block for
+        long, and must not call back into the engine.
+        """
+        self._sink = sink
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Start ``request``; its chunks, up to one with a finish reason or an
+        error, go to the step sink. :meth:`cancel` ends it early (the final chunk,
+        finish reason ``abort``, carries the usage)."""
+        if self._sink is None:
+            raise EngineError("submit() needs a step sink")
+        if self._thread is None:
+            raise EngineError("the engine is not started")
+        self._enqueue(request, None)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a submitted request within one step; unknown ids are ignored."""
+        self._request_abort(request_id)
 
     def _request_abort(self, request_id: str) -> None:
         with self._cv:
@@ -568,12 +614,20 @@ class LlamaCppEngine:
         events.append((seq, Chunk(text, reason, usage, seq.generated)))
 
     def _post(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
+        if self._sink is not None:
+            direct = [(seq.request_id, item) for seq, item in events if seq.deliver is None]
+            if direct:
+                self._sink(direct)
+                events = [e for e in events if e[0].deliver is not None]
+                if not events:
+                    return
         loop = self._loop
         if loop is None or loop.is_closed():
             return
 
         def deliver() -> None:
             for seq, item in events:
+                assert seq.deliver is not None
                 seq.deliver(item)
 
         with contextlib.suppress(RuntimeError):  # loop closed during shutdown

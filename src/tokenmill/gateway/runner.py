@@ -3,6 +3,13 @@
 Loads one engine, then serves the frames of :mod:`tokenmill.gateway.process` on the
 socket inherited as ``--fd``. Exits when the gateway says ``close`` or when the
 socket reaches EOF (the gateway is gone), so an orphaned child never lingers.
+
+An engine with a step sink (``set_step_sink`` / ``submit`` / ``cancel``, as the
+llama.cpp engine has) hands each decode step's chunks to the sink on its decode
+thread, which writes them to the gateway as one frame right there: a token crosses
+no event loop in this process. Other engines are driven through the plain
+``generate()`` interface on the event loop. Either way every frame goes through
+one :class:`FrameWriter`, so frames from both threads never interleave.
 """
 
 from __future__ import annotations
@@ -10,11 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import logging
+import os
+import select
 import signal
 import socket
 import sys
+import threading
 from typing import Any
 
 from tokenmill.engines import Engine, load_engine_class
@@ -34,6 +45,39 @@ log = logging.getLogger("tokenmill.gateway.runner")
 STATUS_INTERVAL_S = 0.25
 
 
+class FrameWriter:
+    """Whole frames to the gateway, from any thread.
+
+    The socket stays non-blocking (asyncio reads it); a write that finds the buffer
+    full waits for room with ``select``. Once the gateway is gone, writes are dropped:
+    the read side sees EOF and the process exits.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._fd = sock.fileno()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.write(encode_frame(message))
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            view = memoryview(data)
+            while view and not self.closed:
+                try:
+                    view = view[os.write(self._fd, view) :]
+                except BlockingIOError:
+                    select.select([], [self._fd], [])
+                except OSError as e:
+                    if e.errno != errno.EINTR:
+                        self.closed = True
+
+
+def chunk_row(rid: str, chunk: Chunk) -> list[Any]:
+    return [rid, chunk.text, chunk.finish_reason, encode_usage(chunk.usage), chunk.tokens]
+
+
 class Outbox:
     """Chunks produced in one decode step leave together, in one frame.
 
@@ -42,16 +86,14 @@ class Outbox:
     one runs after all of them.
     """
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: FrameWriter) -> None:
         self._writer = writer
         self._chunks: list[list[Any]] = []
         self._scheduled = False
         self._loop = asyncio.get_running_loop()
 
     def chunk(self, rid: str, chunk: Chunk) -> None:
-        self._chunks.append(
-            [rid, chunk.text, chunk.finish_reason, encode_usage(chunk.usage), chunk.tokens]
-        )
+        self._chunks.append(chunk_row(rid, chunk))
         if not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self.flush)
@@ -67,8 +109,7 @@ class Outbox:
             self._write({"op": "chunks", "c": chunks})
 
     def _write(self, message: dict[str, Any]) -> None:
-        if not self._writer.is_closing():
-            self._writer.write(encode_frame(message))
+        self._writer.send(message)
 
 
 class Runner:
@@ -156,20 +197,36 @@ class Runner:
         task.add_done_callback(done)
 
 
+def step_sink(writer: FrameWriter) -> Any:
+    """The engine's step sink: one ``chunks`` frame per step, then any errors."""
+
+    def sink(events: list[tuple[str, Chunk | BaseException]]) -> None:
+        rows = [chunk_row(rid, item) for rid, item in events if isinstance(item, Chunk)]
+        if rows:
+            writer.send({"op": "chunks", "c": rows})
+        for rid, item in events:
+            if not isinstance(item, Chunk):
+                writer.send({"op": "error", "id": rid, "error": encode_error(item)})
+
+    return sink
+
+
 async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
     sock = socket.socket(fileno=fd)
     reader, writer = await asyncio.open_unix_connection(sock=sock)
-    out = Outbox(writer)
+    frames = FrameWriter(sock)
+    out = Outbox(frames)
     engine: Engine = load_engine_class(engine_name)(**kwargs)
     try:
         await engine.start()
     except Exception as e:
         log.error("the engine failed to load: %s", e)
         out.send({"op": "fatal", "message": str(e)})
-        with contextlib.suppress(Exception):
-            await writer.drain()
         return 1
     runner = Runner(engine, out)
+    direct = all(hasattr(engine, a) for a in ("set_step_sink", "submit", "cancel"))
+    if direct:
+        engine.set_step_sink(step_sink(frames))  # type: ignore[attr-defined]
     out.send({"op": "ready", "status": runner.status()})
     status_task = asyncio.create_task(runner.push_status())
     aborts: set[asyncio.Task[None]] = set()
@@ -179,7 +236,15 @@ async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
             if msg is None or msg["op"] == "close":
                 break
             op = msg["op"]
-            if op == "generate":
+            if op == "generate" and direct:
+                req = decode_request(msg["req"])
+                try:
+                    engine.submit(req)  # type: ignore[attr-defined]
+                except Exception as e:
+                    out.send({"op": "error", "id": req.request_id, "error": encode_error(e)})
+            elif op == "abort" and direct:
+                engine.cancel(msg["id"])  # type: ignore[attr-defined]
+            elif op == "generate":
                 runner.start_generate(decode_request(msg["req"]))
             elif op == "abort":
                 rid = msg["id"]
@@ -192,7 +257,6 @@ async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
                 await runner.prepare(decode_request(msg["req"]))
             elif op == "ping":
                 out.send({"op": "pong", "status": runner.status()})
-            await writer.drain()
     finally:
         status_task.cancel()
         for task in list(runner.tasks.values()):
