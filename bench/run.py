@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import os
-import shutil
 import signal
 import socket
 import statistics
@@ -35,6 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from probes import (
+    HEALTH_TARGET_MS,
+    HealthProbe,
+    maps_file,
+    memory_mb,
+    profile,
+    py_spy,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".bench-cache"
@@ -123,56 +129,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            # The command name may hold spaces; the ppid is the 2nd field after ')'.
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            tree[ppid].append(int(entry.name))
-    return tree
-
-
-def _status_kb(pid: int, key: str) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def memory_mb(pid: int) -> dict[str, float]:
-    """VmRSS of the process, of its children (tokenmill's replicas) and of the whole tree."""
-    tree, todo, pids = _children(), [pid], []
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        todo.extend(tree.get(p, []))
-    rss = _status_kb(pid, "VmRSS") / 1024
-    tree_rss = sum(_status_kb(p, "VmRSS") for p in pids) / 1024
-    return {
-        "rss_mb": rss,
-        "hwm_mb": _status_kb(pid, "VmHWM") / 1024,
-        "children_rss_mb": tree_rss - rss,
-        "tree_rss_mb": tree_rss,
-        "processes": len(pids),
-    }
-
-
-def maps_file(pid: int, path: Path) -> bool:
-    """Whether the process has ``path`` mapped (llama.cpp mmaps the model file)."""
-    try:
-        return str(path.resolve()) in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return False
 
 
 def kv_child(gguf: Path, n_ctx: int) -> None:
@@ -296,67 +252,6 @@ def ceiling(max_tokens: int, threads: int) -> dict[str, Any]:
 # -- profile ---------------------------------------------------------------------------
 
 
-def py_spy() -> str | None:
-    local = Path(sys.executable).parent / "py-spy"
-    return str(local) if local.exists() else shutil.which("py-spy")
-
-
-def profile(server: Server, max_tokens: int, out_path: Path) -> dict[str, Any] | None:
-    tool = py_spy()
-    if tool is None:
-        return None
-    cmd = [tool, "record", "-p", str(server.proc.pid), "-r", "100", "-f", "raw"]
-    # Replicas may run as child processes of the gateway: sample those too.
-    cmd += ["-o", str(out_path), "--threads", "--subprocesses", "--nonblocking", "-d", "600"]
-    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
-    try:
-        run_bench(server, SLOTS, max_tokens)
-    finally:
-        spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
-        try:
-            _, err = spy.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            spy.kill()
-            return None
-    if not out_path.exists():
-        return {"error": (err or "")[-500:]}
-    return summarize_profile(out_path)
-
-
-def summarize_profile(path: Path) -> dict[str, Any]:
-    """Collapsed stacks → share of samples per thread and per leaf function (self time)."""
-    by_thread: collections.Counter[str] = collections.Counter()
-    by_leaf: collections.Counter[str] = collections.Counter()
-    by_frame: collections.Counter[str] = collections.Counter()  # inclusive
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
-        frames = stack.split(";")
-        # Leading pseudo-frames name the process and thread the sample was taken in.
-        where = [f for f in frames[:2] if f.startswith(("process ", "thread "))]
-        frames = frames[len(where) :] or ["?"]
-        total += n
-        by_thread[" / ".join(w[:60] for w in where)] += n
-        by_leaf[frames[-1]] += n
-        for frame in set(frames):
-            by_frame[frame] += n
-
-    def top(counter: collections.Counter[str], k: int) -> list[tuple[str, float]]:
-        return [(name, round(100 * n / max(total, 1), 1)) for name, n in counter.most_common(k)]
-
-    return {
-        "samples": total,
-        "threads": top(by_thread, 6),
-        "self": top(by_leaf, 15),
-        "inclusive": top(by_frame, 15),
-        "raw": str(path),
-    }
-
-
 # -- report ------------------------------------------------------------------------------
 
 
@@ -445,7 +340,9 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def targets(summary: dict[str, Any], memory: dict[str, Any]) -> list[str]:
+def targets(
+    summary: dict[str, Any], memory: dict[str, Any], health: dict[str, Any] | None
+) -> list[str]:
     def mark(ok: bool) -> str:
         return "PASS" if ok else "MISS"
 
@@ -464,6 +361,14 @@ def targets(summary: dict[str, Any], memory: dict[str, Any]) -> list[str]:
     # the "gateway memory excluding the model" the target is about.
     gw = memory["gateway_mb"]
     out.append(f"{mark(gw < 150)} gateway process memory {gw:.0f} MB (target < 150)")
+    if health and health.get("probes"):
+        worst = health["max_ms"]
+        out.append(
+            f"{mark(worst <= HEALTH_TARGET_MS and not health['failures'])} GET /health during "
+            f"c={SLOTS}: p50 {health['p50_ms']:.1f} ms, p99 {health['p99_ms']:.1f} ms, "
+            f"max {worst:.1f} ms over {health['probes']} probes, {health['failures']} failed "
+            f"(target <= {HEALTH_TARGET_MS:g} ms)"
+        )
     return out
 
 
@@ -517,11 +422,14 @@ def measure(
     args: argparse.Namespace,
     runs: dict[str, dict[int, list[dict[str, Any]]]],
     mem: dict[str, dict[str, float]],
+    health: list[HealthProbe],
 ) -> None:
-    """Fill ``runs`` and ``mem`` as runs complete, so an interruption keeps them.
+    """Fill ``runs``, ``mem`` and ``health`` as runs complete, so an interruption
+    keeps them.
 
     A server named ``METRICS_OFF`` runs at c=SLOTS only, always next to the metrics-on
-    tokenmill, so the on/off pair sees the same moment of the machine.
+    tokenmill, so the on/off pair sees the same moment of the machine. During
+    tokenmill's c=SLOTS runs a probe times ``GET /health``.
     """
     tm, ls, *off = servers
     for rep in range(args.reps):
@@ -532,7 +440,12 @@ def measure(
             for s in order:
                 if s.name == METRICS_OFF and c != SLOTS:
                     continue
-                report = run_bench(s, c, args.max_tokens)
+                if s is tm and c == SLOTS:
+                    with HealthProbe(s.url) as probe:
+                        report = run_bench(s, c, args.max_tokens)
+                    health.append(probe)
+                else:
+                    report = run_bench(s, c, args.max_tokens)
                 runs[s.name].setdefault(c, []).append(report)
                 # Each figure's largest value seen after a run.
                 for key, value in memory_mb(s.proc.pid).items():
@@ -617,8 +530,9 @@ def main() -> int:
 
         runs: dict[str, dict[int, list[dict[str, Any]]]] = {s.name: {} for s in servers}
         mem: dict[str, dict[str, float]] = {s.name: {} for s in servers}
+        health: list[HealthProbe] = []
         try:
-            measure(servers, levels, args, runs, mem)
+            measure(servers, levels, args, runs, mem, health)
         except KeyboardInterrupt:
             # Stopped early (Ctrl-C, SIGTERM from a timeout): report what was measured.
             results["interrupted"] = True
@@ -646,14 +560,24 @@ def main() -> int:
         }
         # Checked, not assumed: the gateway process must not have the model mapped.
         results["memory"]["gateway_maps_model"] = maps_file(servers[0].proc.pid, gguf)
-        results["targets"] = targets(results["summary"], results["memory"])
+        if health:
+            merged = HealthProbe(servers[0].url)
+            for probe in health:
+                merged.latencies_ms += probe.latencies_ms
+                merged.failures += probe.failures
+            results["health"] = merged.summary()
+        results["targets"] = targets(results["summary"], results["memory"], results.get("health"))
         if not args.no_profile and not results.get("interrupted"):
             tm_server = servers[0]
             if py_spy() is None:
                 log("py-spy not installed: no profile (pip install py-spy to get one)")
             else:
                 log(f"profiling the gateway with py-spy during one more c={SLOTS} run")
-                results["profile"] = profile(tm_server, args.max_tokens, CACHE / "profile-c16.txt")
+                results["profile"] = profile(
+                    tm_server.proc.pid,
+                    lambda: run_bench(tm_server, SLOTS, args.max_tokens),
+                    CACHE / "profile-c16.txt",
+                )
     finally:
         for s in servers:
             s.stop()
