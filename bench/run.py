@@ -460,7 +460,7 @@ def measure(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--reps", type=int, default=2, help="runs per server and concurrency")
+    parser.add_argument("--reps", type=int, default=3, help="runs per server and concurrency")
     parser.add_argument("--concurrency", default=f"1,4,{SLOTS}", help="comma-separated levels")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
