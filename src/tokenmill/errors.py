@@ -103,8 +103,7 @@ class OverloadedError(TokenmillError):
         self.retry_after = retry_after
 
     def headers(self) -> dict[str, str]:
-        # Retry-After is whole seconds; never advertise 0, clients would spin.
-        return {"Retry-After": str(max(1, round(self.retry_after + 0.499)))}
+        return retry_after_header(self.retry_after)
 
 
 class EngineError(TokenmillError):
@@ -130,6 +129,9 @@ class UnavailableError(TokenmillError):
         self.retry_after = retry_after
 
     def headers(self) -> dict[str, str]:
-        if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, round(self.retry_after + 0.499)))}
+        return {} if self.retry_after is None else retry_after_header(self.retry_after)
+
+
+def retry_after_header(seconds: float) -> dict[str, str]:
+    # Retry-After is whole seconds, rounded up; never advertise 0, clients would spin.
+    return {"Retry-After": str(max(1, round(seconds + 0.499)))}

@@ -6,6 +6,7 @@ deployment that points at a second tokenmill: the session's default ``server``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -72,6 +73,30 @@ def events(r: httpx.Response) -> Iterator[dict[str, Any] | str]:
         if line.startswith("data: "):
             data = line.removeprefix("data: ")
             yield "[DONE]" if data == "[DONE]" else json.loads(data)
+
+
+def signal_mid_stream(
+    c: httpx.Client, body: dict[str, Any], pid: int, sig: signal.Signals
+) -> tuple[float, list[dict[str, Any] | str]]:
+    """Stream ``body``; at its first text send ``sig`` to ``pid``. Returns the seconds
+    from the signal to the end of the stream and the events after it."""
+    sent_at = 0.0
+    tail: list[dict[str, Any] | str] = []
+    try:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for e in events(r):
+                if sent_at:
+                    tail.append(e)
+                elif isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]:
+                    os.kill(pid, sig)
+                    sent_at = time.monotonic()
+    finally:
+        if sig == signal.SIGSTOP:  # never leave a stopped process behind a failure
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert sent_at, "the stream ended before its first text"
+    return time.monotonic() - sent_at, tail
 
 
 def describe(c: httpx.Client, dep: str) -> dict[str, Any]:
@@ -287,18 +312,8 @@ def test_sigkill_mid_stream_fails_fast_and_the_replica_restarts(client: httpx.Cl
         "temperature": 0,
         "stream": True,
     }
-    killed_at = 0.0
-    tail: list[dict[str, Any] | str] = []
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        for e in events(r):
-            if killed_at:
-                tail.append(e)
-            elif isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]:
-                os.kill(before["pid"], signal.SIGKILL)
-                killed_at = time.monotonic()
-    ended = time.monotonic() - killed_at
-    assert killed_at and ended < 2.0
+    ended, tail = signal_mid_stream(client, body, before["pid"], signal.SIGKILL)
+    assert ended < 2.0
     assert tail[-1] == "[DONE]"
     errors = [e for e in tail if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error"

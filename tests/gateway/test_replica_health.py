@@ -25,7 +25,7 @@ import pytest
 
 from tests.conftest import ServerProcess, free_port, launch
 from tests.gateway.no_usage_upstream import TEXT
-from tests.gateway.test_deployments import COUNTING, events
+from tests.gateway.test_deployments import COUNTING, events, signal_mid_stream
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,24 +68,10 @@ def test_a_wedged_replica_is_killed_and_restarted(probed: ServerProcess) -> None
         before = replica(c, "probed")
         body = {"model": "probed", "prompt": COUNTING, "max_tokens": 400, "stream": True}
         body |= {"temperature": 0, "ignore_eos": True}
-        stopped_at = 0.0
-        tail: list[dict[str, Any] | str] = []
-        try:
-            with c.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                for e in events(r):
-                    if stopped_at:
-                        tail.append(e)
-                    elif isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]:
-                        # Alive but answering nothing: what a hung native call looks like.
-                        os.kill(before["pid"], signal.SIGSTOP)
-                        stopped_at = time.monotonic()
-            ended = time.monotonic() - stopped_at
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(before["pid"], signal.SIGCONT)
+        # Alive but answering nothing: what a hung native call looks like.
+        ended, tail = signal_mid_stream(c, body, before["pid"], signal.SIGSTOP)
         # Found within the 1.5 s timeout plus a 0.25 s probe period, then killed.
-        assert stopped_at and 1.5 <= ended < 4.0, ended
+        assert 1.5 <= ended < 4.0, ended
         assert tail[-1] == "[DONE]"
         errors = [e for e in tail if isinstance(e, dict) and "error" in e]
         assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail

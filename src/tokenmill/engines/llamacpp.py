@@ -174,12 +174,7 @@ class LlamaCppEngine:
         cparams.n_seq_max = self.max_num_seqs
         cparams.n_batch = max(PREFILL_CHUNK + self.max_num_seqs, 512)
         cparams.n_ubatch = cparams.n_batch
-        # llama.cpp runs a one-token step (a single stream decoding) on n_threads and
-        # larger ones on n_threads_batch. A one-token step gains little from the last
-        # core, while the stream's own HTTP path (gateway and replica event loops)
-        # needs one, and a preempted thread stalls its partners at every barrier:
-        # measured here on 2 cores, one thread gave ~5% more tokens/s at concurrency 1.
-        cparams.n_threads = max(1, self.n_threads - 1)
+        cparams.n_threads = self.n_threads
         cparams.n_threads_batch = self.n_threads
         cparams.kv_unified = False
         cparams.no_perf = True
