@@ -365,8 +365,12 @@ class LlamaCppEngine:
                     admitted = self._admit_locked()
                     aborts, self._aborts = self._aborts, set()
                 events: list[tuple[_Sequence, Chunk | BaseException]] = []
-                for seq in admitted:
-                    self._assign(seq)
+                # When this round takes every free slot, no step will see a gap.
+                fills = len(admitted) == sum(1 for slot in self._slots if slot.seq is None)
+                for i, seq in enumerate(admitted):
+                    # Requests about to need a slot: this round's rest and the queue.
+                    waiting = len(admitted) - i - 1 + len(self._inbox)
+                    self._assign(seq, pending=waiting, fills=fills)
                 for rid in aborts:
                     running = self._running.get(rid)
                     if running is not None:
@@ -410,21 +414,25 @@ class LlamaCppEngine:
             free -= 1
         return admitted
 
-    def _assign(self, seq: _Sequence) -> None:
+    def _assign(self, seq: _Sequence, pending: int = 0, fills: bool = False) -> None:
         """Give a request a free slot, reusing the longest cached prefix of its prompt.
 
         The slot is chosen to keep the running slots in few runs of consecutive ids:
         llama.cpp decodes each run in a pass of its own (see ``_step``), so a slot
         that opens a new run costs an extra pass on every step until the gap fills
         (measured here: 4 sequences in one run ~21 ms a step, in two ~32 ms). Among
-        equally good slots, the one whose own cache shares most of the prompt wins.
+        equally good slots, the one whose own cache shares most of the prompt wins;
+        when this round ``fills`` every free slot there will be no gap to avoid, and
+        only the cached prefix counts.
 
         The prefix may be cached in another slot, free or running (the same system
         prompt, the previous turn of a chat). Copying that slot's KV stream into the
         chosen one costs about one token of prefill (~3 ms measured here against
         ~3.5 ms a token), so it is copied. For the same price, what the chosen slot
         held is first parked in the least recently used free slot, so that low slots
-        taken again and again do not evict every other cached conversation.
+        taken again and again do not evict every other cached conversation; not
+        when ``pending`` requests are about to take the free slots anyway (a burst of
+        arrivals), where parking would overwrite prefixes they are about to reuse.
         """
         busy = [slot.seq is not None for slot in self._slots]
         n = len(busy)
@@ -433,7 +441,7 @@ class LlamaCppEngine:
             i = slot.index
             left = i > 0 and busy[i - 1]
             right = i + 1 < n and busy[i + 1]
-            runs_added = 1 - left - right  # +1 opens a run, 0 extends one, -1 joins two
+            runs_added = 0 if fills else 1 - left - right  # +1 opens a run, -1 joins two
             return (runs_added, -_common_prefix(slot.tokens, seq.prompt), i)
 
         dest = min((slot for slot in self._slots if slot.seq is None), key=placement)
@@ -442,7 +450,7 @@ class LlamaCppEngine:
         source_common = _common_prefix(source.tokens, seq.prompt)
         copy = source is not dest and source_common >= common + KV_COPY_MIN_TOKENS
         if len(dest.tokens) - common >= KV_COPY_MIN_TOKENS:  # what the prompt will overwrite
-            self._park(dest, avoid=source)
+            self._park(dest, avoid=source, pending=pending)
         if copy:
             ll.llama_memory_seq_cp(self._mem, source.index, dest.index, -1, -1)
             dest.tokens = source.tokens[:source_common]
@@ -462,14 +470,14 @@ class LlamaCppEngine:
         seq.sampler = self._make_sampler(seq.sampling)
         self._running[seq.request_id] = seq
 
-    def _park(self, slot: _Slot, avoid: _Slot) -> None:
+    def _park(self, slot: _Slot, avoid: _Slot, pending: int) -> None:
         """Copy what ``slot`` caches into the least recently used free slot, if older."""
         others = [s for s in self._slots if s is not slot]
         held = len(slot.tokens) - KV_COPY_MIN_TOKENS
         if any(_common_prefix(s.tokens, slot.tokens) >= held for s in others):
             return  # (nearly) all of it is cached elsewhere already
         spare = [s for s in others if s.seq is None and s is not avoid]
-        if not spare:
+        if len(spare) <= pending:
             return
         park = min(spare, key=lambda s: (s.last_used, s.index))
         if park.tokens and park.last_used >= slot.last_used:
