@@ -419,8 +419,21 @@ def test_overload_answers_only_200_or_429(client: httpx.Client) -> None:
         ('max_num_seqs = "many"', ["deployments.0.max_num_seqs"]),
         ('model = "missing.gguf"', ["deployments.0.model", "model file not found", "missing.gguf"]),
         ('[[deployments]]\nid = "a"', ["duplicate deployment id 'a'"]),
+        ('tokenizer = "embedded"', ["deployments.0", "'tokenizer' is for upstream deployments"]),
+        (
+            'engine = "upstream"\nurl = "http://127.0.0.1:9/v1"\ntokenizer = "nope.gguf"',
+            ["deployments.0.tokenizer", "tokenizer file not found", "nope.gguf"],
+        ),
     ],
-    ids=["unknown-key", "bad-value", "bad-type", "missing-model", "duplicate-id"],
+    ids=[
+        "unknown-key",
+        "bad-value",
+        "bad-type",
+        "missing-model",
+        "duplicate-id",
+        "tokenizer-on-llamacpp",
+        "missing-tokenizer",
+    ],
 )
 def test_configuration_errors_stop_startup(tmp_path: Path, extra: str, expect: list[str]) -> None:
     srv = launch(tmp_path, config=f'[[deployments]]\nid = "a"\n{extra}\n', wait=False)

@@ -204,27 +204,3 @@ def test_upstream_without_usage_is_counted_with_the_tokenizer(counting_gw: Serve
         est = c.post("/v1/chat/completions", json={**body, "model": "estimated", "stream": False})
         assert est.status_code == 200, est.text
         assert est.json()["usage"]["prompt_tokens"] != local["prompt_tokens"]
-
-
-@pytest.mark.parametrize(
-    ("extra", "expect"),
-    [
-        ('tokenizer = "embedded"', ["deployments.0", "'tokenizer' is for upstream deployments"]),
-        (
-            'engine = "upstream"\nurl = "http://127.0.0.1:9/v1"\ntokenizer = "nope.gguf"',
-            ["deployments.0.tokenizer", "tokenizer file not found", "nope.gguf"],
-        ),
-    ],
-    ids=["tokenizer-on-llamacpp", "missing-tokenizer"],
-)
-def test_tokenizer_configuration_errors(tmp_path: Path, extra: str, expect: list[str]) -> None:
-    srv = launch(tmp_path, config=f'[[deployments]]\nid = "a"\n{extra}\n', wait=False)
-    try:
-        code = srv.proc.wait(timeout=60)
-    finally:
-        srv.stop()
-    out = srv.log()
-    assert code != 0, out
-    for text in expect:
-        assert text in out, out
-    assert "Traceback" not in out
