@@ -266,7 +266,14 @@ def test_load_gauges_and_overload(start_server: Callable[..., ServerProcess]) ->
             while http.get(f"/v1/deployments/{DEP}").json()["queued"] != 1:
                 assert time.monotonic() < deadline, "the second request never queued"
                 time.sleep(0.05)
-            during = scrape(http)
+            # The engine gauges come from the replica's status, pushed every 0.25 s.
+            deadline = time.monotonic() + 5
+            while True:
+                during = scrape(http)
+                if val(during, "tokenmill_num_requests_running") == 1:
+                    break
+                assert time.monotonic() < deadline, "running never reached 1"
+                time.sleep(0.05)
             # The slot is taken and the queue is full: a third request is refused.
             refused = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2})
             assert refused.status_code == 429
