@@ -36,6 +36,7 @@ import httpx
 from probes import (
     HEALTH_TARGET_MS,
     HealthProbe,
+    health_summary,
     maps_file,
     memory_mb,
     profile,
@@ -561,11 +562,7 @@ def main() -> int:
         # Checked, not assumed: the gateway process must not have the model mapped.
         results["memory"]["gateway_maps_model"] = maps_file(servers[0].proc.pid, gguf)
         if health:
-            merged = HealthProbe(servers[0].url)
-            for probe in health:
-                merged.latencies_ms += probe.latencies_ms
-                merged.failures += probe.failures
-            results["health"] = merged.summary()
+            results["health"] = health_summary(health)
         results["targets"] = targets(results["summary"], results["memory"], results.get("health"))
         if not args.no_profile and not results.get("interrupted"):
             tm_server = servers[0]

@@ -19,9 +19,12 @@ A new backend (vLLM, a Ray Serve replica) is one more class with these methods.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
+
+T = TypeVar("T")
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -140,3 +143,46 @@ class Engine(Protocol):
     def health(self) -> EngineHealth:
         """A cheap, non-blocking snapshot."""
         ...
+
+
+# Receives one decode step's chunks (or errors) by request id, on the engine's thread.
+StepSink = Callable[[list[tuple[str, Chunk | BaseException]]], None]
+
+
+@runtime_checkable
+class SteppedEngine(Protocol):
+    """An optional capability: chunks handed over per decode step, off the event loop.
+
+    A replica process uses it to write each step's tokens straight to the gateway
+    (see :mod:`tokenmill.gateway.runner`); everything else uses ``generate()``.
+    """
+
+    def set_step_sink(self, sink: StepSink) -> None:
+        """Receive the chunks of :meth:`submit` requests, one call per step."""
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Start ``request``; its chunks, up to a final one or an error, go to the sink."""
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a submitted request; its final chunk (``abort``) carries the usage."""
+
+
+# Requests remembered between prepare() and generate() (a client that leaves in
+# between never calls generate(): the oldest are dropped).
+PREPARED_CACHE = 512
+
+
+class Prepared(Generic[T]):
+    """What ``prepare()`` worked out for a request, kept for its ``generate()``."""
+
+    def __init__(self, limit: int = PREPARED_CACHE) -> None:
+        self._items: OrderedDict[str, T] = OrderedDict()
+        self._limit = limit
+
+    def put(self, request_id: str, value: T) -> None:
+        self._items[request_id] = value
+        while len(self._items) > self._limit:
+            self._items.popitem(last=False)
+
+    def take(self, request_id: str) -> T | None:
+        return self._items.pop(request_id, None)

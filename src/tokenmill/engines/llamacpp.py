@@ -38,8 +38,10 @@ from tokenmill.engines.base import (
     EngineHealth,
     FinishReason,
     GenerationRequest,
+    Prepared,
     PromptInfo,
     SamplingParams,
+    StepSink,
     Usage,
 )
 from tokenmill.engines.chunks import ChunkQueue, ChunkReader
@@ -48,7 +50,7 @@ from tokenmill.engines.textstream import TextStream
 from tokenmill.engines.vocab import Vocab, init_backend
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
 
-__all__ = ["LlamaCppEngine", "StepSink", "embedded_model_path"]
+__all__ = ["LlamaCppEngine", "embedded_model_path"]
 
 log = logging.getLogger("tokenmill.engines.llamacpp")
 
@@ -63,11 +65,6 @@ KV_COPY_MIN_TOKENS = 4
 PENALTY_LAST_N = 64
 # An abort is answered within one decode step; this only guards against a wedged loop.
 ABORT_WAIT_S = 10.0
-# Prepared prompts remembered between prepare() and generate().
-PREPARED_CACHE = 512
-
-# Receives one decode step's chunks (or errors) by request id, on the decode thread.
-StepSink = Callable[[list[tuple[str, "Chunk | BaseException"]]], None]
 
 
 @dataclass(slots=True)
@@ -127,7 +124,7 @@ class LlamaCppEngine:
         self._stop = False
         self._start_lock = asyncio.Lock()
         self._queues: dict[str, ChunkQueue] = {}
-        self._prepared: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._prepared: Prepared[list[int]] = Prepared()
         self.tokens_generated = 0
         self.steps = 0
         self.kv_copies = 0  # prefixes copied from another slot (see _assign)
@@ -220,9 +217,7 @@ class LlamaCppEngine:
         if self._vocab is None:
             await self.start()
         tokens = self._prompt_tokens(request)
-        self._prepared[request.request_id] = tokens
-        while len(self._prepared) > PREPARED_CACHE:
-            self._prepared.popitem(last=False)
+        self._prepared.put(request.request_id, tokens)
         return PromptInfo(prompt_tokens=len(tokens), context_length=self.n_ctx_seq)
 
     def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
@@ -265,7 +260,7 @@ class LlamaCppEngine:
     def _enqueue(
         self, request: GenerationRequest, deliver: Callable[[Chunk | BaseException], None] | None
     ) -> None:
-        tokens = self._prepared.pop(request.request_id, None)
+        tokens = self._prepared.take(request.request_id)
         if tokens is None:
             tokens = self._prompt_tokens(request)
         seq = _Sequence(
@@ -435,19 +430,19 @@ class LlamaCppEngine:
         arrivals), where parking would overwrite prefixes they are about to reuse.
         """
         busy = [slot.seq is not None for slot in self._slots]
+        shared = [_common_prefix(slot.tokens, seq.prompt) for slot in self._slots]
         n = len(busy)
 
-        def placement(slot: _Slot) -> tuple[int, int, int]:
-            i = slot.index
+        def placement(i: int) -> tuple[int, int, int]:
             left = i > 0 and busy[i - 1]
             right = i + 1 < n and busy[i + 1]
             runs_added = 0 if fills else 1 - left - right  # +1 opens a run, -1 joins two
-            return (runs_added, -_common_prefix(slot.tokens, seq.prompt), i)
+            return (runs_added, -shared[i], i)
 
-        dest = min((slot for slot in self._slots if slot.seq is None), key=placement)
-        common = _common_prefix(dest.tokens, seq.prompt)
-        source = max(self._slots, key=lambda slot: _common_prefix(slot.tokens, seq.prompt))
-        source_common = _common_prefix(source.tokens, seq.prompt)
+        dest = self._slots[min((i for i in range(n) if not busy[i]), key=placement)]
+        common = shared[dest.index]
+        source = self._slots[max(range(n), key=shared.__getitem__)]
+        source_common = shared[source.index]
         copy = source is not dest and source_common >= common + KV_COPY_MIN_TOKENS
         if len(dest.tokens) - common >= KV_COPY_MIN_TOKENS:  # what the prompt will overwrite
             self._park(dest, avoid=source, pending=pending)

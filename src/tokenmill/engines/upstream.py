@@ -43,6 +43,7 @@ from tokenmill.engines.base import (
     EngineHealth,
     FinishReason,
     GenerationRequest,
+    Prepared,
     PromptInfo,
     Usage,
 )
@@ -68,8 +69,6 @@ CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
 # Final usage of recently ended requests, for abort() calls that arrive after the end.
 RECENT = 1024
-# Prompt counts kept between prepare() and generate().
-PREPARED_CACHE = 512
 # Texts longer than this are tokenized off the event loop.
 TOKENIZE_INLINE_CHARS = 16_384
 
@@ -128,7 +127,7 @@ class UpstreamEngine:
         self._client: httpx.AsyncClient | None = None
         self._running: dict[str, _Running] = {}
         self._recent: OrderedDict[str, Usage] = OrderedDict()
-        self._prepared: OrderedDict[str, int] = OrderedDict()
+        self._prepared: Prepared[int] = Prepared()
         self._tokenizer: GgufTokenizer | None = None
         self.tokens_generated = 0
         self.failures = 0
@@ -162,9 +161,7 @@ class UpstreamEngine:
         if self._client is None:
             await self.start()
         n = await self._count_prompt(request)
-        self._prepared[request.request_id] = n
-        while len(self._prepared) > PREPARED_CACHE:
-            self._prepared.popitem(last=False)
+        self._prepared.put(request.request_id, n)
         return PromptInfo(n, self.config.n_ctx)
 
     async def _count_prompt(self, request: GenerationRequest) -> int:
@@ -280,7 +277,7 @@ class UpstreamEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         rid = request.request_id
         path, body = self._body(request)
-        prompt_tokens = self._prepared.pop(rid, None)
+        prompt_tokens = self._prepared.take(rid)
         if prompt_tokens is None:
             prompt_tokens = await self._count_prompt(request)
         state = _Running(prompt_tokens, self._tokenizer)

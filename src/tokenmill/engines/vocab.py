@@ -11,6 +11,7 @@ This module imports ``llama_cpp``; it is loaded lazily, never by ``import tokenm
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,6 @@ _log_callback: Any = None
 def _silence_llama_logs() -> None:
     """Route llama.cpp's chatter to nothing unless TOKENMILL_LLAMA_LOG is set."""
     global _log_callback
-    import os
-
     if os.environ.get("TOKENMILL_LLAMA_LOG") or _log_callback is not None:
         return
 

@@ -50,15 +50,14 @@ class Replica:
         await self.engine.close()
         self.state = "unloaded"
 
-    def available(self) -> bool:
-        """Counts toward the deployment's capacity: serving, or loads on demand.
-
-        A ready replica whose engine is down (a process replica between a crash
-        and its restart) does not.
-        """
-        if self.state in ("unloaded", "loading"):
-            return True
+    def serving(self) -> bool:
+        """Ready, and its engine too (a process replica between a crash and its
+        restart is ``ready`` here while its engine is not)."""
         return self.state == "ready" and self.engine.health().ready
+
+    def available(self) -> bool:
+        """Counts toward the deployment's capacity: serving, or loads on demand."""
+        return self.state in ("unloaded", "loading") or self.serving()
 
     def describe(self) -> dict[str, Any]:
         h = self.engine.health()
@@ -150,7 +149,7 @@ class Deployment:
 
     async def pick(self) -> Replica:
         """The ready replica with the fewest outstanding requests (loading it if idle)."""
-        ready = [r for r in self.replicas if r.state == "ready" and r.engine.health().ready]
+        ready = [r for r in self.replicas if r.serving()]
         if not ready:
             if all(r.state == "unloaded" for r in self.replicas):
                 async with self._load_lock:

@@ -29,7 +29,7 @@ import threading
 from typing import Any
 
 from tokenmill.engines import Engine, load_engine_class
-from tokenmill.engines.base import Chunk, GenerationRequest
+from tokenmill.engines.base import Chunk, GenerationRequest, SteppedEngine, StepSink
 from tokenmill.errors import EngineError
 from tokenmill.gateway.process import (
     decode_request,
@@ -197,7 +197,7 @@ class Runner:
         task.add_done_callback(done)
 
 
-def step_sink(writer: FrameWriter) -> Any:
+def step_sink(writer: FrameWriter) -> StepSink:
     """The engine's step sink: one ``chunks`` frame per step, then any errors."""
 
     def sink(events: list[tuple[str, Chunk | BaseException]]) -> None:
@@ -224,9 +224,9 @@ async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
         out.send({"op": "fatal", "message": str(e)})
         return 1
     runner = Runner(engine, out)
-    direct = all(hasattr(engine, a) for a in ("set_step_sink", "submit", "cancel"))
-    if direct:
-        engine.set_step_sink(step_sink(frames))  # type: ignore[attr-defined]
+    stepped = engine if isinstance(engine, SteppedEngine) else None
+    if stepped is not None:
+        stepped.set_step_sink(step_sink(frames))
     out.send({"op": "ready", "status": runner.status()})
     status_task = asyncio.create_task(runner.push_status())
     aborts: set[asyncio.Task[None]] = set()
@@ -236,14 +236,14 @@ async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
             if msg is None or msg["op"] == "close":
                 break
             op = msg["op"]
-            if op == "generate" and direct:
+            if op == "generate" and stepped is not None:
                 req = decode_request(msg["req"])
                 try:
-                    engine.submit(req)  # type: ignore[attr-defined]
+                    stepped.submit(req)
                 except Exception as e:
                     out.send({"op": "error", "id": req.request_id, "error": encode_error(e)})
-            elif op == "abort" and direct:
-                engine.cancel(msg["id"])  # type: ignore[attr-defined]
+            elif op == "abort" and stepped is not None:
+                stepped.cancel(msg["id"])
             elif op == "generate":
                 runner.start_generate(decode_request(msg["req"]))
             elif op == "abort":
