@@ -6,6 +6,8 @@ Linux-only (it reads ``/proc``); imported by ``bench/run.py``.
 from __future__ import annotations
 
 import collections
+import os
+import resource
 import shutil
 import signal
 import statistics
@@ -67,6 +69,33 @@ def memory_mb(pid: int) -> dict[str, float]:
         "tree_rss_mb": tree_rss,
         "processes": len(pids),
     }
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process, all its threads."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # utime and stime are fields 14 and 15 of stat; after ')' they are the 12th and 13th.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds so far of the process itself and of its children (tokenmill's replicas)."""
+    tree = _children()
+    todo, children = list(tree.get(pid, [])), 0.0
+    while todo:
+        p = todo.pop()
+        children += _cpu_s(p)
+        todo.extend(tree.get(p, []))
+    return {"process": _cpu_s(pid), "children": children}
+
+
+def client_cpu_seconds() -> float:
+    """CPU seconds of this process's waited-for children (the ``tokenmill bench`` runs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def maps_file(pid: int, path: Path) -> bool:

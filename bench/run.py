@@ -36,6 +36,8 @@ import httpx
 from probes import (
     HEALTH_TARGET_MS,
     HealthProbe,
+    client_cpu_seconds,
+    cpu_seconds,
     health_summary,
     maps_file,
     memory_mb,
@@ -294,6 +296,16 @@ def table(results: dict[str, Any]) -> str:
             f"  c={c:<3} runs tok/s  tokenmill {tm['tok_s_runs']}  llama-server {ls['tok_s_runs']}"
             f"   tokens/request tm {tm['tokens_per_request']} ls {ls['tokens_per_request']}"
         )
+    rows.append(
+        "\nCPU ms per output token (medians; all threads; 2 cores give 2 ms per ms of wall):"
+    )
+    for c, row in results["summary"].items():
+        tm, ls = row["tokenmill"]["cpu_ms_per_token"], row["llama-server"]["cpu_ms_per_token"]
+        rows.append(
+            f"  c={c:<3} tokenmill gateway {tm['server']:.3f} + replica {tm['children']:.2f}"
+            f" | llama-server {ls['server']:.2f}"
+            f" | load generator {tm['client']:.3f} / {ls['client']:.3f}"
+        )
     ceil = results.get("ceiling")
     if ceil:
         rows.append(
@@ -391,6 +403,10 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any
                 "itl_p99_ms": median(reports, "itl_ms", "p99"),
                 "errors": sum(r["errors"] for r in reports),
                 "tokens_per_request": median(reports, "tokens_per_request", "mean"),
+                "cpu_ms_per_token": {
+                    k: median(reports, "cpu_ms_per_token", k)
+                    for k in ("server", "children", "client")
+                },
             }
         tm, ls = row["tokenmill"], row["llama-server"]
         row["tok_s_ratio"] = round(tm["tok_s"] / ls["tok_s"], 3) if ls["tok_s"] else 0.0
@@ -414,6 +430,20 @@ def metrics_cost(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, 
         "on_runs": [r["output_tokens_per_s"] for r in on],
         "off_runs": [r["output_tokens_per_s"] for r in off],
         "errors_off": sum(r["errors"] for r in off),
+    }
+
+
+def cpu_per_token(
+    before: dict[str, float], after: dict[str, float], client_s: float, report: dict[str, Any]
+) -> dict[str, float]:
+    """CPU milliseconds per output token of one run: the server process (tokenmill's
+    gateway; all of llama-server), its children (tokenmill's replica) and the load
+    generator. With two cores, every one of them is taken from llama.cpp's threads."""
+    tokens = max(1, int(report["output_tokens"]))
+    return {
+        "server": round((after["process"] - before["process"]) * 1000 / tokens, 3),
+        "children": round((after["children"] - before["children"]) * 1000 / tokens, 3),
+        "client": round(client_s * 1000 / tokens, 3),
     }
 
 
@@ -441,12 +471,16 @@ def measure(
             for s in order:
                 if s.name == METRICS_OFF and c != SLOTS:
                     continue
+                before, client_before = cpu_seconds(s.proc.pid), client_cpu_seconds()
                 if s is tm and c == SLOTS:
                     with HealthProbe(s.url) as probe:
                         report = run_bench(s, c, args.max_tokens)
                     health.append(probe)
                 else:
                     report = run_bench(s, c, args.max_tokens)
+                report["cpu_ms_per_token"] = cpu_per_token(
+                    before, cpu_seconds(s.proc.pid), client_cpu_seconds() - client_before, report
+                )
                 runs[s.name].setdefault(c, []).append(report)
                 # Each figure's largest value seen after a run.
                 for key, value in memory_mb(s.proc.pid).items():
