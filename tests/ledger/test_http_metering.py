@@ -76,6 +76,26 @@ def test_no_credit_is_402_before_any_token(metered: ServerProcess, adm: httpx.Cl
     assert (state["balance"], state["held"]) == (10, 0)
 
 
+def test_request_over_the_key_tpm_is_400_not_429(metered: ServerProcess, adm: httpx.Client) -> None:
+    # A request larger than the key's whole minute could never pass by waiting: a
+    # 429 with Retry-After would have clients retry it forever.
+    acc = new_account(adm, "small-tpm", 10**6)
+    _, key = new_key(adm, acc, tpm=60)
+    with client_for(metered, key) as user:
+        for stream in (False, True):
+            resp = user.post("/v1/chat/completions", json=chat(100, stream=stream))
+            assert resp.status_code == 400, resp.text
+            assert "retry-after" not in resp.headers
+            err = resp.json()["error"]
+            assert err["type"] == "invalid_request_error"
+            assert (err["code"], err["param"]) == ("request_too_large", "max_tokens")
+            assert "60 tokens per minute" in err["message"]
+        # The refused requests took nothing from the window: a small one passes.
+        assert user.post("/v1/chat/completions", json=chat(8)).status_code == 200
+    state = account(adm, acc)
+    assert state["held"] == 0
+
+
 def test_revoked_key_is_refused_at_once(metered: ServerProcess, adm: httpx.Client) -> None:
     acc = new_account(adm, "revoked", 10**6)
     key_id, key = new_key(adm, acc)

@@ -360,6 +360,15 @@ class SqlLedger:
                 code="rate_limit_exceeded",
             )
         tokens = spec.prompt_tokens + spec.max_tokens
+        if tpm is not None and tokens > tpm:
+            # No amount of waiting lets this request through: not a 429 to retry.
+            raise InvalidRequestError(
+                f"this request needs up to {tokens} tokens ({spec.prompt_tokens} of prompt "
+                f"+ max_tokens {spec.max_tokens}) but this key may use {tpm} tokens per "
+                "minute; lower max_tokens or shorten the prompt",
+                param="max_tokens",
+                code="request_too_large",
+            )
         if tpm is not None and used_tokens + tokens > tpm:
             raise OverloadedError(
                 f"rate limit reached: this key may use {tpm} tokens per minute "
