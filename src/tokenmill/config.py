@@ -64,6 +64,10 @@ class DeploymentConfig(BaseModel):
     # whose decode step runs that long) is wedged: it is killed and restarted.
     health_check_interval_s: float = Field(default=5.0, gt=0)
     health_check_timeout_s: float = Field(default=30.0, gt=0)
+    # Replica processes run at this niceness, so that where they share cores with the
+    # gateway, its work (health checks, admission, every token's SSE event) runs first;
+    # llama.cpp's threads take every cycle left. 0 gives both the same priority.
+    replica_nice: int = Field(default=10, ge=0, le=19)
 
     # upstream
     url: str | None = None

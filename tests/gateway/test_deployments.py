@@ -424,6 +424,7 @@ def test_overload_answers_only_200_or_429(client: httpx.Client) -> None:
             'engine = "upstream"\nurl = "http://127.0.0.1:9/v1"\ntokenizer = "nope.gguf"',
             ["deployments.0.tokenizer", "tokenizer file not found", "nope.gguf"],
         ),
+        ("replica_nice = 20", ["deployments.0.replica_nice", "less than or equal to 19"]),
     ],
     ids=[
         "unknown-key",
@@ -433,6 +434,7 @@ def test_overload_answers_only_200_or_429(client: httpx.Client) -> None:
         "duplicate-id",
         "tokenizer-on-llamacpp",
         "missing-tokenizer",
+        "nice-out-of-range",
     ],
 )
 def test_configuration_errors_stop_startup(tmp_path: Path, extra: str, expect: list[str]) -> None:

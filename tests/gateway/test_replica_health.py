@@ -37,7 +37,17 @@ n_ctx = 512
 n_threads = 1
 health_check_interval_s = 0.25
 health_check_timeout_s = 1.5
+replica_nice = 7
 """
+
+
+def thread_nice(pid: int) -> dict[int, int]:
+    """The niceness of every thread of ``pid`` (field 19 of each task's stat)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        out[int(task.name)] = int(fields[16])
+    return out
 
 
 def replica(c: httpx.Client, dep: str) -> dict[str, Any]:
@@ -63,6 +73,18 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     srv.stop()
 
 
+def test_replica_threads_run_below_the_gateway(probed: ServerProcess) -> None:
+    with httpx.Client(base_url=probed.url, timeout=60) as c:
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        assert c.post("/v1/deployments/probed/predict", json=body).status_code == 200
+        pid = replica(c, "probed")["pid"]
+    # Every thread, the decode thread and llama.cpp's included (they exist once a
+    # request has run), inherits the replica's niceness; the gateway keeps its own.
+    threads = thread_nice(pid)
+    assert len(threads) >= 2 and set(threads.values()) == {os.getpriority(os.PRIO_PROCESS, 0) + 7}
+    assert os.getpriority(os.PRIO_PROCESS, probed.proc.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def test_a_wedged_replica_is_killed_and_restarted(probed: ServerProcess) -> None:
     with httpx.Client(base_url=probed.url, timeout=60.0) as c:
         before = replica(c, "probed")
@@ -77,6 +99,7 @@ def test_a_wedged_replica_is_killed_and_restarted(probed: ServerProcess) -> None
         assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail
         after = wait_state(c, "probed", lambda rep: rep["state"] == "ready")
         assert after["pid"] not in (None, before["pid"])
+        assert set(thread_nice(after["pid"]).values()) == {os.getpriority(os.PRIO_PROCESS, 0) + 7}
         assert after["restarts"] == before["restarts"] + 1
         with pytest.raises(ProcessLookupError):  # killed, not left stopped
             for _ in range(50):

@@ -100,6 +100,7 @@ def build_engine(config: DeploymentConfig) -> Engine:
                 kwargs,
                 probe_interval_s=config.health_check_interval_s,
                 probe_timeout_s=config.health_check_timeout_s,
+                nice=config.replica_nice,
             )
         return load_engine_class("llamacpp")(**kwargs)  # type: ignore[no-any-return]
     return load_engine_class(config.engine)(config)  # type: ignore[no-any-return]

@@ -21,6 +21,9 @@ Health: a child can be alive yet wedged (a native call that never returns, a
 stopped process). The gateway pings it every ``probe_interval_s``; a child whose
 last answer is older than ``probe_timeout_s``, or whose engine reports one decode
 step running longer than that, is killed, and handled like any other death.
+
+Priority: the child lowers its own priority (``nice``) before it starts a thread, so
+every thread of the engine inherits it and the gateway is scheduled first.
 """
 
 from __future__ import annotations
@@ -187,8 +190,10 @@ class ProcessEngine:
         *,
         probe_interval_s: float = PROBE_INTERVAL_S,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
+        nice: int = 0,
     ) -> None:
         self.engine_name = engine
+        self.nice = nice
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.name = f"process:{engine}"
@@ -300,6 +305,8 @@ class ProcessEngine:
                 json.dumps(self.kwargs),
                 "--log-level",
                 logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                "--nice",
+                str(self.nice),
                 pass_fds=(child_sock.fileno(),),
             )
         except BaseException:

@@ -274,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", required=True)
     parser.add_argument("--kwargs", default="{}")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--nice", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.nice:
+        # Before any thread exists: llama.cpp's threads inherit it.
+        os.nice(args.nice)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s[replica]: %(message)s",
