@@ -304,7 +304,7 @@ def table(results: dict[str, Any]) -> str:
         rows.append(
             f"  c={c:<3} tokenmill gateway {tm['server']:.3f} + replica {tm['children']:.2f}"
             f" | llama-server {ls['server']:.2f}"
-            f" | load generator {tm['client']:.3f} / {ls['client']:.3f}"
+            f" | load generator (whole process) {tm['client']:.3f} / {ls['client']:.3f}"
         )
     ceil = results.get("ceiling")
     if ceil:
