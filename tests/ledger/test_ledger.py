@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from tokenmill.errors import (
     InvalidRequestError,
     OverloadedError,
 )
+from tokenmill.ledger import ledger_from_url
 from tokenmill.ledger.base import HoldSpec, hash_key
 from tokenmill.ledger.sql import SqlLedger
 
@@ -176,6 +179,29 @@ async def test_sweeper_settles_holds_of_a_dead_gateway(
     state = await alive.get_account(acc.id)
     assert state is not None and (state.balance, state.held) == (970, 100)
     assert await alive.open_holds() == 1  # r2 belongs to the live gateway
+
+
+async def test_sqlite_opens_while_another_connection_holds_the_file(tmp_path: Path) -> None:
+    # A new file is switched to WAL, which SQLite refuses at once (no busy timeout)
+    # while another connection holds a lock: a second gateway starting beside this one.
+    path = tmp_path / "ledger.sqlite3"
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("CREATE TABLE other_tool (x INTEGER)")
+    other.execute("BEGIN IMMEDIATE")
+    other.execute("INSERT INTO other_tool VALUES (1)")
+    led = ledger_from_url(f"sqlite:///{path}")
+    opening = asyncio.create_task(led.open())
+    await asyncio.sleep(0.3)
+    assert not opening.done()  # it waits for the lock instead of failing
+    other.execute("COMMIT")
+    other.close()
+    try:
+        await asyncio.wait_for(opening, 10)
+        acc = await led.create_account("after-the-lock", 5)
+        got = await led.get_account(acc.id)
+        assert got is not None and got.balance == 5
+    finally:
+        await led.close()
 
 
 async def test_migrations_are_applied_once(make_ledger: Callable[[], SqlLedger]) -> None:

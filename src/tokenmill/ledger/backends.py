@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,28 @@ import psycopg
 import psycopg.errors
 
 from tokenmill.ledger.sql import SqlLedger, Tx
+
+# How long a connection waits for another one's lock on the file.
+LOCK_WAIT_S = 10.0
+
+
+def _enable_wal(conn: sqlite3.Connection) -> None:
+    """Switch the file to WAL (a no-op once it is), waiting for other connections.
+
+    Switching needs the file to itself for a moment, and SQLite answers "database is
+    locked" at once, without its busy timeout, while another connection holds a lock
+    on it: two gateways starting on one new file met that about one time in four.
+    """
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                conn.close()
+                raise
+        time.sleep(0.01)
 
 
 class SqliteLedger(SqlLedger):
@@ -30,9 +53,9 @@ class SqliteLedger(SqlLedger):
     def _connect(self) -> Any:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(
-            self.path, isolation_level=None, check_same_thread=False, timeout=10.0
+            self.path, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT_S
         )
-        conn.execute("PRAGMA journal_mode = WAL")
+        _enable_wal(conn)
         # WAL + NORMAL: a commit survives a crashed process; only power loss can
         # lose the last transactions, and costs no fsync per hold.
         conn.execute("PRAGMA synchronous = NORMAL")
