@@ -53,13 +53,20 @@ def _status_kb(pid: int, key: str) -> int:
     return 0
 
 
-def memory_mb(pid: int) -> dict[str, float]:
-    """VmRSS of the process, of its children (tokenmill's replicas) and of the whole tree."""
-    tree, todo, pids = _children(), [pid], []
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: children, theirs, and so on."""
+    tree = _children()
+    todo, out = list(tree.get(pid, [])), []
     while todo:
         p = todo.pop()
-        pids.append(p)
+        out.append(p)
         todo.extend(tree.get(p, []))
+    return out
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    """VmRSS of the process, of its children (tokenmill's replicas) and of the whole tree."""
+    pids = [pid, *_descendants(pid)]
     rss = _status_kb(pid, "VmRSS") / 1024
     tree_rss = sum(_status_kb(p, "VmRSS") for p in pids) / 1024
     return {
@@ -83,13 +90,7 @@ def _cpu_s(pid: int) -> float:
 
 def cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds so far of the process itself and of its children (tokenmill's replicas)."""
-    tree = _children()
-    todo, children = list(tree.get(pid, [])), 0.0
-    while todo:
-        p = todo.pop()
-        children += _cpu_s(p)
-        todo.extend(tree.get(p, []))
-    return {"process": _cpu_s(pid), "children": children}
+    return {"process": _cpu_s(pid), "children": sum(_cpu_s(p) for p in _descendants(pid))}
 
 
 def client_cpu_seconds() -> float:

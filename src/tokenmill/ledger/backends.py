@@ -29,7 +29,7 @@ def _enable_wal(conn: sqlite3.Connection) -> None:
             conn.execute("PRAGMA journal_mode = WAL")
             return
         except sqlite3.OperationalError as e:
-            if "locked" not in str(e) or time.monotonic() > deadline:
+            if e.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
                 conn.close()
                 raise
         time.sleep(0.01)

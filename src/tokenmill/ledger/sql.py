@@ -347,6 +347,16 @@ class SqlLedger:
         rpm, tpm = key[0], key[1]
         if rpm is None and tpm is None:
             return
+        tokens = spec.prompt_tokens + spec.max_tokens
+        if tpm is not None and tokens > tpm:
+            # No amount of waiting lets this request through: not a 429 to retry.
+            raise InvalidRequestError(
+                f"this request needs up to {tokens} tokens ({spec.prompt_tokens} of prompt "
+                f"+ max_tokens {spec.max_tokens}) but this key may use {tpm} tokens per "
+                "minute; lower max_tokens or shorten the prompt",
+                param="max_tokens",
+                code="request_too_large",
+            )
         used = tx.one(
             "SELECT requests, tokens FROM rate_windows WHERE key_id = ? AND rate_window = ?",
             (spec.key_id, window),
@@ -358,16 +368,6 @@ class SqlLedger:
                 f"rate limit reached: this key may make {rpm} requests per minute",
                 retry_after=retry_after,
                 code="rate_limit_exceeded",
-            )
-        tokens = spec.prompt_tokens + spec.max_tokens
-        if tpm is not None and tokens > tpm:
-            # No amount of waiting lets this request through: not a 429 to retry.
-            raise InvalidRequestError(
-                f"this request needs up to {tokens} tokens ({spec.prompt_tokens} of prompt "
-                f"+ max_tokens {spec.max_tokens}) but this key may use {tpm} tokens per "
-                "minute; lower max_tokens or shorten the prompt",
-                param="max_tokens",
-                code="request_too_large",
             )
         if tpm is not None and used_tokens + tokens > tpm:
             raise OverloadedError(
