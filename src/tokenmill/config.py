@@ -43,7 +43,7 @@ class DeploymentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
-    engine: Literal["llamacpp", "upstream"] = "llamacpp"
+    engine: Literal["llamacpp", "upstream", "scripted"] = "llamacpp"
     endpoint_type: Literal["chat", "completion"] = "chat"
     max_queue: int = Field(default=64, ge=0)
     queue_timeout_s: float = Field(default=30.0, gt=0)
@@ -81,8 +81,15 @@ class DeploymentConfig(BaseModel):
     # usage; without it both are estimated from the text (about 4 characters a token).
     tokenizer: str | None = None
 
+    # scripted (tests only: tokenmill.engines.scripted): the driver's Unix socket
+    control: Path | None = None
+
     @model_validator(mode="after")
     def _engine_fields(self) -> DeploymentConfig:
+        if self.engine == "scripted" and self.control is None:
+            raise ValueError("a scripted (test) deployment needs 'control', its driver's socket")
+        if self.engine != "scripted" and self.control is not None:
+            raise ValueError("'control' is only for scripted (test) deployments")
         if self.engine == "upstream":
             if not self.url:
                 raise ValueError("an upstream deployment needs 'url'")

@@ -80,8 +80,27 @@ class Replica:
         }
 
 
+# Not in the engine name table: only a deployment that says engine = "scripted" gets it.
+SCRIPTED_ENGINE = "tokenmill.engines.scripted:ScriptedEngine"
+
+
 def build_engine(config: DeploymentConfig) -> Engine:
     """Instantiate the engine one replica of ``config`` runs."""
+    if config.engine == "scripted":
+        scripted: dict[str, Any] = {
+            "control": str(config.control),
+            "max_num_seqs": config.max_num_seqs,
+            "n_ctx": config.n_ctx,
+        }
+        if config.isolated:  # driven in replica processes, like llama.cpp
+            process = load_engine_class("tokenmill.gateway.process:ProcessEngine")
+            return process(  # type: ignore[no-any-return]
+                SCRIPTED_ENGINE,
+                scripted,
+                probe_interval_s=config.health_check_interval_s,
+                probe_timeout_s=config.health_check_timeout_s,
+            )
+        return load_engine_class(SCRIPTED_ENGINE)(**scripted)  # type: ignore[no-any-return]
     if config.engine == "llamacpp":
         kwargs: dict[str, Any] = {
             "model_path": config.model,
@@ -116,7 +135,7 @@ class Deployment:
         self.config = config
         self.id = config.id
         if engines is None:
-            n = config.replicas if config.engine == "llamacpp" else 1
+            n = 1 if config.engine == "upstream" else config.replicas
             engines = [build_engine(config) for _ in range(n)]
         slots = config.max_num_seqs
         self.replicas = [Replica(self.id, i, e, slots) for i, e in enumerate(engines)]

@@ -1,0 +1,255 @@
+"""A test engine whose every step is driven from outside: ``engine = "scripted"``.
+
+Admission, queueing, timeouts, cancellation, the replica supervisor and metering
+are tested by the order of events, not by how fast a model runs: a test must be able
+to say "now emit 3 tokens to this request", "now fail it", "now crash the replica"
+and see "this request started", "this request was aborted". :class:`ScriptedEngine`
+keeps the :class:`~tokenmill.engines.base.Engine` contract (usage on the final
+chunk, ``tokens`` counts, ``max_tokens`` a hard limit, ``abort`` returns the tokens
+really produced) and generates nothing by itself: each request waits for commands
+from a *driver*, a test listening on the Unix socket named by the deployment's
+``control`` key.
+
+It is not in the :data:`~tokenmill.engines.ENGINES` name table and must never serve
+real traffic: only a deployment that says ``engine = "scripted"`` with ``control``
+(or the class path ``tokenmill.engines.scripted:ScriptedEngine``) reaches it.
+
+Every engine instance (the one in the gateway, or one in each replica process, and
+again after a restart) opens its own connection to ``control`` when it starts.
+Messages are JSON objects, one per line.
+
+Engine -> driver (events)::
+
+    {"event": "hello", "pid": P}                     connected; once per instance
+    {"event": "started", "id": R, "prompt": S, "prompt_tokens": N, "max_tokens": N}
+    {"event": "aborted", "id": R, "tokens": N}       closed before it finished
+    {"event": "ended", "id": R, "reason": "stop" | "length" | "error", "tokens": N}
+    {"event": "ignored", "id": R, "op": OP}          a command for no running request
+
+Driver -> engine (commands)::
+
+    {"op": "emit", "id": R, "n": N}   N tokens, one chunk each (" w1", " w2", ...); at
+                                      max_tokens the request finishes with "length"
+    {"op": "finish", "id": R, "reason": "stop" | "length"}
+    {"op": "fail", "id": R, "message": M}     EngineError mid-stream
+    {"op": "stall"}                   the process stops answering anything, as in a
+                                      hung native call (replica processes only)
+    {"op": "crash", "code": C}        the process exits at once (replica processes only)
+
+A request with no command holds its slot: that is how a test keeps one busy. Prompt
+tokens are words: the prompt's (or the rendered messages') whitespace-separated
+words. When the driver goes away, every running request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.engines.base import (
+    Chunk,
+    EngineHealth,
+    FinishReason,
+    GenerationRequest,
+    Prepared,
+    PromptInfo,
+    Usage,
+)
+from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
+
+# A stalled process sleeps in slices this long, forever: only a kill ends it.
+STALL_SLICE_S = 3600.0
+
+
+def prompt_text(request: GenerationRequest) -> str:
+    if request.prompt is not None:
+        return request.prompt
+    assert request.messages is not None
+    return "\n".join(f"{m.role}: {m.content}" for m in request.messages)
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+@dataclass(eq=False)
+class _Run:
+    """One running request and the commands addressed to it."""
+
+    request: GenerationRequest
+    prompt_tokens: int
+    max_tokens: int
+    commands: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    tokens: int = 0
+    ended: bool = False  # "aborted" or "ended" was reported
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.tokens)
+
+
+class ScriptedEngine:
+    """An engine driven over a control socket. See the module docstring."""
+
+    name = "scripted"
+
+    def __init__(self, control: str, max_num_seqs: int = 1, n_ctx: int = 2048) -> None:
+        self.control = str(control)
+        self.max_num_seqs = max_num_seqs
+        self.n_ctx = n_ctx
+        self._writer: asyncio.StreamWriter | None = None
+        self._commands: asyncio.Task[None] | None = None
+        self._runs: dict[str, _Run] = {}
+        # Usage of requests closed early, kept for the abort() that follows.
+        self._left: Prepared[Usage] = Prepared()
+        self._tokens_generated = 0
+        self._starting = asyncio.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._starting:
+            if self._writer is not None:
+                return
+            try:
+                reader, writer = await asyncio.open_unix_connection(self.control)
+            except OSError as e:
+                raise EngineError(
+                    f"the scripted engine cannot reach its driver at {self.control}: {e}; "
+                    "start the driver before the gateway"
+                ) from None
+            self._writer = writer
+            self._send({"event": "hello", "pid": os.getpid()})
+            self._commands = asyncio.create_task(self._read_commands(reader))
+
+    async def close(self) -> None:
+        if self._commands is not None:
+            self._commands.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._commands
+            self._commands = None
+        self._fail_all("the scripted engine is closing")
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(
+            ready=self._writer is not None,
+            slots=self.max_num_seqs,
+            running=len(self._runs),
+            tokens_generated=self._tokens_generated,
+        )
+
+    # -- requests -----------------------------------------------------------------
+
+    async def prepare(self, request: GenerationRequest) -> PromptInfo:
+        await self.start()
+        n_prompt = count_words(prompt_text(request))
+        if n_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        n_max = request.sampling.max_tokens
+        if n_prompt + max(n_max, 1) > self.n_ctx:
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.n_ctx} tokens. However, you "
+                f"requested {n_prompt + n_max} tokens ({n_prompt} in the prompt, {n_max} for "
+                "the completion). Shorten the prompt or lower max_tokens.",
+                param="max_tokens",
+            )
+        return PromptInfo(prompt_tokens=n_prompt, context_length=self.n_ctx)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        await self.start()
+        rid = request.request_id
+        text = prompt_text(request)
+        n_prompt = count_words(text)
+        n_max = request.sampling.max_tokens
+        run = _Run(request, n_prompt, n_max if n_max > 0 else self.n_ctx - n_prompt)
+        self._runs[rid] = run
+        self._send(
+            {
+                "event": "started",
+                "id": rid,
+                "prompt": text,
+                "prompt_tokens": n_prompt,
+                "max_tokens": run.max_tokens,
+            }
+        )
+        reason: FinishReason | None = None
+        try:
+            while reason is None:
+                command = await run.commands.get()
+                op = command["op"]
+                if op == "emit":
+                    for _ in range(int(command.get("n", 1))):
+                        if run.tokens >= run.max_tokens:
+                            break
+                        run.tokens += 1
+                        self._tokens_generated += 1
+                        yield Chunk(f" w{run.tokens}", tokens=run.tokens)
+                    if run.tokens >= run.max_tokens:
+                        reason = "length"
+                elif op == "finish":
+                    reason = "length" if command.get("reason") == "length" else "stop"
+                elif op == "abort":  # abort() was called while the stream was open
+                    yield Chunk("", "abort", run.usage(), run.tokens)
+                    return
+                else:  # "fail"
+                    reason = "error"
+                    raise EngineError(str(command.get("message", "the scripted engine failed")))
+            yield Chunk("", reason, run.usage(), run.tokens)
+        finally:
+            self._runs.pop(rid, None)
+            if reason is not None:
+                self._report_end(run, {"event": "ended", "id": rid, "reason": reason})
+            elif not run.ended:
+                # Closed early (client gone, task cancelled): abort() comes next.
+                self._left.put(rid, run.usage())
+                self._report_end(run, {"event": "aborted", "id": rid})
+
+    async def abort(self, request_id: str) -> Usage | None:
+        run = self._runs.get(request_id)
+        if run is None:
+            return self._left.take(request_id)
+        self._report_end(run, {"event": "aborted", "id": request_id})
+        run.commands.put_nowait({"op": "abort"})
+        return run.usage()
+
+    # -- the control channel --------------------------------------------------------
+
+    def _send(self, event: dict[str, Any]) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(json.dumps(event).encode() + b"\n")
+
+    def _report_end(self, run: _Run, event: dict[str, Any]) -> None:
+        if not run.ended:
+            run.ended = True
+            self._send({**event, "tokens": run.tokens})
+
+    async def _read_commands(self, reader: asyncio.StreamReader) -> None:
+        while line := await reader.readline():
+            command: dict[str, Any] = json.loads(line)
+            op = command["op"]
+            if op == "crash":
+                os._exit(int(command.get("code", 1)))
+            if op == "stall":
+                while True:  # blocks the event loop: no frame, no pong, nothing
+                    time.sleep(STALL_SLICE_S)  # noqa: ASYNC251 - the point of a stall
+            run = self._runs.get(str(command.get("id")))
+            if run is None or op not in ("emit", "finish", "fail"):
+                self._send({"event": "ignored", "id": command.get("id"), "op": op})
+            else:
+                run.commands.put_nowait(command)
+        self._fail_all("the scripted engine's driver went away")
+
+    def _fail_all(self, message: str) -> None:
+        for run in self._runs.values():
+            run.commands.put_nowait({"op": "fail", "message": message})
+
+
+__all__ = ["ScriptedEngine", "count_words", "prompt_text"]

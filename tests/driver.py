@@ -1,0 +1,165 @@
+"""The test's end of the scripted engine (:mod:`tokenmill.engines.scripted`).
+
+An :class:`EngineDriver` listens on a Unix socket; every scripted engine (in the
+gateway or in a replica process) connects to it when it starts. The driver records
+the engines' events (``hello``, ``started``, ``aborted``, ``ended``, ``ignored``) in
+the order they arrive and sends commands to the engine serving a request. A test
+waits for an event, not for time: "r1 started", then "emit 3 tokens to r1".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from tests.waiting import HANG_S
+
+# The engine's connections (one per engine instance) are few.
+BACKLOG = 16
+
+
+class EngineDriver:
+    def __init__(self) -> None:
+        # A short path: a Unix socket's is limited to about 100 bytes.
+        self._dir = Path(tempfile.mkdtemp(prefix="tm-drv-"))
+        self.path = self._dir / "control.sock"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(self.path))
+        self._listener.listen(BACKLOG)
+        self._changed = threading.Condition()
+        self.events: list[dict[str, Any]] = []  # every event, in arrival order
+        self._origin: list[socket.socket] = []  # the connection each event came on
+        self._conns: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._start(self._accept)
+
+    def _start(self, target: Any, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            with self._changed:
+                self._conns.append(conn)
+            self._start(self._read, conn)
+
+    def _read(self, conn: socket.socket) -> None:
+        with conn.makefile("rb") as lines:
+            try:
+                for line in lines:
+                    with self._changed:
+                        self.events.append(json.loads(line))
+                        self._origin.append(conn)
+                        self._changed.notify_all()
+            except OSError:  # closed by close()
+                return
+
+    def close(self) -> None:
+        """Disconnect every engine (their running requests fail) and stop listening."""
+        self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        self._listener.close()
+        with self._changed:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):  # the engine's end may be gone already
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(HANG_S)
+        for conn in conns:
+            conn.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- events ---------------------------------------------------------------------
+
+    def _find(self, event: str, rid: str | None, count: int) -> int | None:
+        seen = 0
+        for i, e in enumerate(self.events):
+            if e["event"] == event and (rid is None or e.get("id") == rid):
+                seen += 1
+                if seen == count:
+                    return i
+        return None
+
+    def wait(self, event: str, rid: str | None = None, count: int = 1) -> dict[str, Any]:
+        """The ``count``-th ``event`` (of request ``rid``, if given), once it arrived."""
+        with self._changed:
+            # Index 0 is an event found, too: compare with None.
+            self._changed.wait_for(lambda: self._find(event, rid, count) is not None, HANG_S)
+            found = self._find(event, rid, count)
+            if found is None:
+                raise AssertionError(
+                    f"no {event!r} event #{count} for {rid or 'any request'}; got {self.events}"
+                )
+            return self.events[found]
+
+    def index(self, event: str, rid: str | None = None, count: int = 1) -> int:
+        """Where that event stands in arrival order (waiting for it): to assert orders."""
+        self.wait(event, rid, count)
+        with self._changed:
+            found = self._find(event, rid, count)
+        assert found is not None
+        return found
+
+    def seen(self, event: str, rid: str | None = None) -> int:
+        """How many such events arrived so far (without waiting)."""
+        with self._changed:
+            return sum(
+                1
+                for e in self.events
+                if e["event"] == event and (rid is None or e.get("id") == rid)
+            )
+
+    def started(self, rid: str) -> dict[str, Any]:
+        return self.wait("started", rid)
+
+    # -- commands -------------------------------------------------------------------
+
+    def _send(self, rid: str, command: dict[str, Any]) -> None:
+        """Send to the engine that runs ``rid`` (waiting until it started)."""
+        self.started(rid)
+        with self._changed:
+            found = self._find("started", rid, 1)
+            assert found is not None
+            conn = self._origin[found]
+        conn.sendall(json.dumps(command).encode() + b"\n")
+
+    def emit(self, rid: str, n: int = 1) -> None:
+        self._send(rid, {"op": "emit", "id": rid, "n": n})
+
+    def finish(self, rid: str, reason: str = "stop") -> None:
+        self._send(rid, {"op": "finish", "id": rid, "reason": reason})
+
+    def fail(self, rid: str, message: str = "scripted failure") -> None:
+        self._send(rid, {"op": "fail", "id": rid, "message": message})
+
+    def crash(self, rid: str, code: int = 1) -> None:
+        """Exit the replica process that runs ``rid``."""
+        self._send(rid, {"op": "crash", "code": code})
+
+    def stall(self, rid: str) -> None:
+        """Wedge the replica process that runs ``rid``: it answers nothing from now on."""
+        self._send(rid, {"op": "stall"})
+
+
+def scripted_deployment(driver: EngineDriver, id: str = "scripted", **keys: object) -> str:
+    """A ``[[deployments]]`` table of a scripted deployment that ``driver`` drives."""
+    lines = ["[[deployments]]", f'id = "{id}"', 'engine = "scripted"', f'control = "{driver.path}"']
+    for key, value in keys.items():
+        if isinstance(value, bool):
+            lines.append(f"{key} = {str(value).lower()}")
+        elif isinstance(value, str):
+            lines.append(f"{key} = {json.dumps(value)}")
+        else:
+            lines.append(f"{key} = {value}")
+    return "\n".join(lines) + "\n"

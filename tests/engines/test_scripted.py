@@ -1,0 +1,152 @@
+"""The scripted engine keeps the engine contract, in the test's own event loop.
+
+The driver blocks while it waits for an event, so here it waits in a thread
+(``asyncio.to_thread``) while the engine runs on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import pytest
+
+from tests.driver import EngineDriver
+from tokenmill.engines import ENGINES, Engine
+from tokenmill.engines.base import Chunk, GenerationRequest, SamplingParams, Usage
+from tokenmill.engines.scripted import ScriptedEngine
+from tokenmill.errors import ContextLengthError, EngineError
+
+
+@pytest.fixture
+async def driven() -> AsyncIterator[tuple[EngineDriver, ScriptedEngine]]:
+    driver = EngineDriver()
+    engine = ScriptedEngine(str(driver.path), max_num_seqs=2, n_ctx=64)
+    await engine.start()
+    try:
+        yield driver, engine
+    finally:
+        await engine.close()
+        driver.close()
+
+
+def request(rid: str, max_tokens: int, prompt: str = "one two three") -> GenerationRequest:
+    return GenerationRequest(rid, SamplingParams(max_tokens=max_tokens), prompt=prompt)
+
+
+async def started(
+    driver: EngineDriver, stream: AsyncGenerator[Chunk, None], rid: str
+) -> asyncio.Future[Chunk]:
+    """Start ``stream`` (its first chunk, pending) and wait until the engine saw it."""
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.to_thread(driver.wait, "started", rid)
+    return first
+
+
+def test_it_is_an_engine_reached_only_by_name() -> None:
+    assert isinstance(ScriptedEngine("/nonexistent"), Engine)
+    assert "scripted" not in ENGINES  # never a default user's engine
+
+
+async def test_tokens_usage_and_max_tokens(driven: tuple[EngineDriver, ScriptedEngine]) -> None:
+    driver, engine = driven
+    req = request("a", max_tokens=3)
+    info = await engine.prepare(req)
+    assert (info.prompt_tokens, info.context_length) == (3, 64)
+    stream = engine.generate(req)
+    assert isinstance(stream, AsyncGenerator)
+    first = await started(driver, stream, "a")
+    assert driver.wait("started", "a")["max_tokens"] == 3
+    driver.emit("a", 10)  # more than max_tokens: the engine stops at 3
+    chunks = [await first] + [c async for c in stream]
+    assert [c.text for c in chunks] == [" w1", " w2", " w3", ""]
+    assert [c.tokens for c in chunks] == [1, 2, 3, 3]
+    assert [c.finish_reason for c in chunks] == [None, None, None, "length"]
+    assert [c.usage for c in chunks] == [None, None, None, Usage(3, 3)]
+    ended = await asyncio.to_thread(driver.wait, "ended", "a")
+    assert (ended["reason"], ended["tokens"]) == ("length", 3)
+    assert engine.health().tokens_generated == 3 and engine.health().running == 0
+
+
+async def test_finish_with_stop(driven: tuple[EngineDriver, ScriptedEngine]) -> None:
+    driver, engine = driven
+    stream = engine.generate(request("s", max_tokens=10))
+    assert isinstance(stream, AsyncGenerator)
+    first = await started(driver, stream, "s")
+    driver.emit("s", 2)
+    driver.finish("s", "stop")
+    chunks = [await first] + [c async for c in stream]
+    assert chunks[-1] == Chunk("", "stop", Usage(3, 2), 2)
+
+
+async def test_abort_reports_the_tokens_produced(
+    driven: tuple[EngineDriver, ScriptedEngine],
+) -> None:
+    driver, engine = driven
+    # Aborted while its stream is open (the gateway's order when a client leaves).
+    stream = engine.generate(request("open", max_tokens=10))
+    assert isinstance(stream, AsyncGenerator)
+    first = await started(driver, stream, "open")
+    driver.emit("open", 2)
+    assert (await first).text == " w1" and (await anext(stream)).text == " w2"
+    assert engine.health().running == 1
+    assert await engine.abort("open") == Usage(3, 2)
+    await stream.aclose()
+    aborted = await asyncio.to_thread(driver.wait, "aborted", "open")
+    assert aborted["tokens"] == 2
+    assert engine.health().running == 0
+    driver.emit("open", 1)  # nothing runs it any more
+    assert (await asyncio.to_thread(driver.wait, "ignored", "open"))["op"] == "emit"
+    assert await engine.abort("open") is None  # forgotten once reported
+
+    # Cancelled first, aborted after (a replica process's order): the usage is kept.
+    stream = engine.generate(request("cut", max_tokens=10))
+    assert isinstance(stream, AsyncGenerator)
+    reader = await started(driver, stream, "cut")
+    driver.emit("cut", 1)
+    assert (await reader).tokens == 1
+    pending = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)  # one step of the task: the generator waits for a command
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    assert engine.health().running == 0  # the cancellation ended it, before any abort()
+    assert await engine.abort("cut") == Usage(3, 1)
+    assert (await asyncio.to_thread(driver.wait, "aborted", "cut"))["tokens"] == 1
+
+
+async def test_fail_and_context_errors(driven: tuple[EngineDriver, ScriptedEngine]) -> None:
+    driver, engine = driven
+    with pytest.raises(ContextLengthError, match="maximum context length is 64"):
+        await engine.prepare(request("big", max_tokens=62))
+    stream = engine.generate(request("f", max_tokens=10))
+    assert isinstance(stream, AsyncGenerator)
+    first = await started(driver, stream, "f")
+    driver.emit("f", 1)
+    assert (await first).tokens == 1
+    driver.fail("f", "boom")
+    with pytest.raises(EngineError, match="boom"):
+        await anext(stream)
+    ended = await asyncio.to_thread(driver.wait, "ended", "f")
+    assert (ended["reason"], ended["tokens"]) == ("error", 1)
+
+
+async def test_requests_fail_when_the_driver_goes_away() -> None:
+    driver = EngineDriver()
+    engine = ScriptedEngine(str(driver.path))
+    await engine.start()
+    try:
+        stream = engine.generate(request("orphan", max_tokens=5))
+        assert isinstance(stream, AsyncGenerator)
+        first = await started(driver, stream, "orphan")
+        await asyncio.to_thread(driver.close)
+        with pytest.raises(EngineError, match="driver went away"):
+            await first
+    finally:
+        await engine.close()
+
+
+async def test_start_without_a_driver_says_so() -> None:
+    engine = ScriptedEngine("/nonexistent/control.sock")
+    with pytest.raises(EngineError, match="cannot reach its driver"):
+        await engine.start()
