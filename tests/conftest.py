@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-STARTUP_TIMEOUT_S = 60.0
+from tests.driver import EngineDriver
+from tests.waiting import HANG_S, wait_until
 
 
 def free_port() -> int:
@@ -49,18 +49,19 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def wait_ready(self, timeout: float = HANG_S) -> None:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()}")
+                return httpx.get(f"{self.url}/health", timeout=HANG_S).status_code == 200
+            except httpx.TransportError:  # not listening yet
+                return False
+
+        try:
+            wait_until(ready, "the server to answer GET /health with 200", timeout=timeout)
+        except AssertionError as e:
+            raise RuntimeError(f"{e}\n{self.log()}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -131,3 +132,15 @@ def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60.0) as client:
         yield client
+
+
+@pytest.fixture
+def driver(start_server: Callable[..., ServerProcess]) -> Iterator[EngineDriver]:
+    """The driver of scripted engines, for ``scripted_deployment`` configs.
+
+    It needs ``start_server`` so that it is closed first: its engines then fail what
+    they still hold, and the servers stop without waiting for those streams to drain.
+    """
+    drv = EngineDriver()
+    yield drv
+    drv.close()

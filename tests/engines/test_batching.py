@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
 from tests.conftest import ServerProcess
+from tests.sse import events
+from tests.waiting import HANG_S, wait_until
 
 CHAT = "/v1/chat/completions"
 
@@ -140,45 +141,23 @@ def test_abort_mid_batch_frees_the_slot(start_server: Callable[..., ServerProces
         "seed": 1,
         "ignore_eos": True,
     }
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
+
+    def in_flight(c: httpx.Client) -> int:
+        return int(c.get("/v1/deployments/smollm2").json()["in_flight"])
+
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
         with c.stream("POST", "/v1/completions", json=long_body) as r1:
-            lines1 = r1.iter_lines()  # one iterator: dropping it would close the stream
-            next(lines1)
+            stream1 = events(r1)  # one iterator: dropping it would close the stream
+            assert isinstance(next(stream1), dict)
             with c.stream("POST", "/v1/completions", json=long_body) as r2:
-                lines2 = r2.iter_lines()
-                next(lines2)
-                assert c.get("/v1/deployments/smollm2").json()["in_flight"] == 2
-            # r2 closed mid-stream: its slot comes back, a new request gets it at once.
+                stream2 = events(r2)
+                assert isinstance(next(stream2), dict)  # both stream, in one batch
+                assert in_flight(c) == 2
+            # r2 closed mid-stream: the gateway sees the disconnect, aborts it in the
+            # engine and returns its slot; then a new request gets that slot.
+            wait_until(lambda: in_flight(c) == 1, "the aborted stream's slot to come back")
             r3 = ask(srv.url, "Say hi.", max_tokens=4)
             assert r3["usage"]["completion_tokens"] >= 1
-            assert c.get("/v1/deployments/smollm2").json()["in_flight"] == 1
-            assert next(line for line in lines1 if line.startswith("data: {"))  # r1 still runs
-    deadline = time.monotonic() + 2
-    while time.monotonic() < deadline:
-        if httpx.get(srv.url + "/v1/deployments/smollm2").json()["in_flight"] == 0:
-            break
-        time.sleep(0.02)
-    assert httpx.get(srv.url + "/v1/deployments/smollm2").json()["in_flight"] == 0
-
-
-def test_full_queue_answers_429_with_retry_after(
-    start_server: Callable[..., ServerProcess],
-) -> None:
-    srv = start_server(config='[[deployments]]\nid = "smollm2"\nmax_num_seqs = 1\nmax_queue = 1\n')
-    body = {"prompt": "Tell a long story.", "max_tokens": 400, "stream": True, "ignore_eos": True}
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json=body) as running:
-            lines = running.iter_lines()
-            next(lines)
-            with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                queued = pool.submit(ask, srv.url, "Say hi.", 2)
-                deadline = time.monotonic() + 30
-                while c.get("/v1/deployments/smollm2").json()["queued"] < 1:
-                    assert time.monotonic() < deadline, "the second request never queued"
-                    time.sleep(0.02)
-                refused = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
-                assert refused.status_code == 429
-                assert int(refused.headers["retry-after"]) >= 1
-                assert refused.json()["error"]["type"] == "rate_limit_error"
-            assert next(line for line in lines if line.startswith("data: {"))
-        assert queued.result(timeout=120)["usage"]["completion_tokens"] >= 1
+            assert in_flight(c) == 1
+            assert isinstance(next(stream1), dict)  # r1 still runs
+        wait_until(lambda: in_flight(c) == 0, "the last stream's slot to come back")
