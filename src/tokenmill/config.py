@@ -64,10 +64,15 @@ class DeploymentConfig(BaseModel):
     # whose decode step runs that long) is wedged: it is killed and restarted.
     health_check_interval_s: float = Field(default=5.0, gt=0)
     health_check_timeout_s: float = Field(default=30.0, gt=0)
-    # Replica processes run at this niceness, so that where they share cores with the
-    # gateway, its work (health checks, admission, every token's SSE event) runs first;
-    # llama.cpp's threads take every cycle left. 0 gives both the same priority.
-    replica_nice: int = Field(default=10, ge=0, le=19)
+    # Fewer llama.cpp threads for a step when that is measured to be faster: where other
+    # busy processes share the cores, threads that wait for each other at every barrier
+    # lose to one (see tokenmill.engines.threads). false: always n_threads.
+    adapt_threads: bool = True
+    # Niceness of replica processes. 0 (the default) competes for the cores on equal
+    # terms with everything else on the host; a higher value yields them to the gateway
+    # but also to every other busy process, which starves the model on a shared host
+    # (10 here: 1.4 tok/s beside two busy loops, against 12.6 at 0).
+    replica_nice: int = Field(default=0, ge=0, le=19)
 
     # upstream
     url: str | None = None

@@ -22,7 +22,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import random
 import threading
 import time
@@ -47,6 +46,7 @@ from tokenmill.engines.base import (
 from tokenmill.engines.chunks import ChunkQueue, ChunkReader
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.textstream import TextStream
+from tokenmill.engines.threads import ThreadTuner, available_cpus
 from tokenmill.engines.vocab import Vocab, init_backend
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
 
@@ -104,11 +104,15 @@ class LlamaCppEngine:
         max_num_seqs: int = 16,
         n_ctx: int = 2048,
         n_threads: int | None = None,
+        adapt_threads: bool = True,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
         self.max_num_seqs = max_num_seqs
         self.n_ctx_seq = n_ctx
-        self.n_threads = n_threads or max(1, os.cpu_count() or 1)
+        self.n_threads = n_threads or available_cpus()
+        # Fewer threads when the cores are shared with other busy work (see threads.py).
+        self._tuner = ThreadTuner(self.n_threads) if adapt_threads else None
+        self._threads_now = self.n_threads
         self._model: Any = None
         self._ctx: Any = None
         self._vocab: Vocab | None = None
@@ -338,7 +342,7 @@ class LlamaCppEngine:
             waiting=len(self._inbox),
             tokens_generated=self.tokens_generated,
             kv_cache_usage=used / total,
-            detail={"stalled_s": self.stalled_s()},
+            detail={"stalled_s": self.stalled_s(), "threads": self._threads_now},
         )
 
     def stalled_s(self) -> float:
@@ -554,13 +558,20 @@ class LlamaCppEngine:
         if n == 0:
             return
         batch.n_tokens = n
-        self._decoding_since = time.monotonic()
+        tuner = self._tuner
+        threads = self.n_threads if tuner is None else tuner.threads_for(n)
+        if threads != self._threads_now:
+            ll.llama_set_n_threads(self._ctx, threads, threads)
+            self._threads_now = threads
+        self._decoding_since = started = time.monotonic()
         try:
             rc = ll.llama_decode(self._ctx, batch)
         finally:
             self._decoding_since = None
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
+        if tuner is not None:
+            tuner.observe(threads, n, time.monotonic() - started)
         self.steps += 1
         vocab = self.vocab
         for seq, idx in outputs:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenmill.config import DeploymentConfig
 from tokenmill.engines import Engine, load_engine_class
+from tokenmill.engines.threads import available_cpus
 from tokenmill.errors import UnavailableError
 from tokenmill.gateway.admission import Admission
 
@@ -107,11 +107,12 @@ def build_engine(config: DeploymentConfig) -> Engine:
             "max_num_seqs": config.max_num_seqs,
             "n_ctx": config.n_ctx,
             "n_threads": config.n_threads,
+            "adapt_threads": config.adapt_threads,
         }
         if config.n_threads is None and config.replicas > 1:
             # Replicas of one deployment share the cores; oversubscribed llama.cpp
             # thread pools spin against each other and every replica slows down.
-            kwargs["n_threads"] = max(1, (os.cpu_count() or 1) // config.replicas)
+            kwargs["n_threads"] = max(1, available_cpus() // config.replicas)
         if config.isolated:
             cls = load_engine_class("tokenmill.gateway.process:ProcessEngine")
             return cls(  # type: ignore[no-any-return]

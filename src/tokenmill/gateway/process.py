@@ -22,8 +22,10 @@ stopped process). The gateway pings it every ``probe_interval_s``; a child whose
 last answer is older than ``probe_timeout_s``, or whose engine reports one decode
 step running longer than that, is killed, and handled like any other death.
 
-Priority: the child lowers its own priority (``nice``) before it starts a thread, so
-every thread of the engine inherits it and the gateway is scheduled first.
+Priority: with ``replica_nice`` above 0 the child lowers its own priority before it
+starts a thread, so every thread of the engine inherits it. The default is 0: a
+niced replica yields the cores not only to the gateway but to every busy process on
+the host, and starves (see ``DeploymentConfig.replica_nice``).
 """
 
 from __future__ import annotations
