@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -12,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProcess
+from tests.waiting import wait_until
 from tokenmill.config import Settings
 from tokenmill.gateway.core import Gateway
 from tokenmill.metrics import GatewayMetrics
@@ -62,27 +62,25 @@ def engine_tokens(http: httpx.Client) -> int:
     return sum(r["tokens_generated"] for r in d["replicas"])
 
 
-def settled_engine_tokens(http: httpx.Client, expected: int) -> int:
-    """The engine's counter once it reaches ``expected`` or stops moving (5 s at most)."""
-    deadline = time.monotonic() + 5
-    now = engine_tokens(http)
-    while now != expected and time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = engine_tokens(http)
-    return now
+def wait_engine_tokens(http: httpx.Client, expected: int) -> None:
+    """Until the engine's counter reaches ``expected`` (replica processes publish it a
+    moment after each step); it must not pass it."""
+    now = wait_until(
+        lambda: (n := engine_tokens(http)) >= expected and n, f"{expected} engine tokens"
+    )
+    assert now == expected
 
 
-def stable_engine_tokens(http: httpx.Client) -> int:
-    """The engine's counter once it has stopped moving (replica processes push it late)."""
-    last = engine_tokens(http)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
-        now = engine_tokens(http)
-        if now == last:
-            break
-        last = now
-    return last
+def agreed_engine_tokens(http: httpx.Client) -> int:
+    """The engine's counter once it agrees with the gateway's: every token produced so
+    far, on both sides (the gateway settles aborted streams with the engine's count)."""
+
+    def agreed() -> int | None:
+        metric = val(scrape(http), "tokenmill_generation_tokens_total")
+        engine = engine_tokens(http)
+        return engine if engine == metric else None
+
+    return wait_until(agreed, "the engine's token counter to agree with the gateway's")
 
 
 def stream_chat(http: httpx.Client, body: dict[str, object]) -> tuple[int, dict[str, int]]:
@@ -121,8 +119,8 @@ def test_every_metric_is_exposed_with_a_deployment_label(http: httpx.Client) -> 
 
 
 def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> None:
+    engine_before = agreed_engine_tokens(http)
     before = scrape(http)
-    engine_before = stable_engine_tokens(http)
     completion_sum = 0
     prompt_sum = 0
     # Non-streamed, both routes.
@@ -149,9 +147,7 @@ def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> No
     gen = "tokenmill_generation_tokens_total"
     assert val(after, gen) - val(before, gen) == completion_sum
     # The engine's own counter agrees (it is published a moment after the response).
-    assert settled_engine_tokens(http, engine_before + completion_sum) - engine_before == (
-        completion_sum
-    )
+    wait_engine_tokens(http, engine_before + completion_sum)
     assert (
         val(after, "tokenmill_prompt_tokens_total") - val(before, "tokenmill_prompt_tokens_total")
         == prompt_sum
@@ -170,8 +166,8 @@ def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> No
     assert val(after, itl) - val(before, itl) >= frames - 1
 
     # A stream whose client leaves: the tokens produced count, however many that is.
+    engine_before = agreed_engine_tokens(http)
     before = scrape(http)
-    engine_before = stable_engine_tokens(http)
     body = {
         "prompt": "Write a very long story.",
         "max_tokens": 1500,
@@ -189,15 +185,15 @@ def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> No
                 seen += 1
                 if seen >= 4:
                     break
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
+
+    def settled() -> bool:
         produced = engine_tokens(http) - engine_before
         now = scrape(http)
         moved = val(now, gen) - val(before, gen)
         # Replica processes push their counters a moment later: wait for them.
-        if produced == moved > 0 and val(now, "tokenmill_num_requests_running") == 0:
-            break
-        time.sleep(0.2)
+        return produced == moved > 0 and val(now, "tokenmill_num_requests_running") == 0
+
+    wait_until(settled, "the left stream's tokens to be counted on both sides")
     after = scrape(http)
     produced = engine_tokens(http) - engine_before
     assert produced >= 3
@@ -262,18 +258,17 @@ def test_load_gauges_and_overload(start_server: Callable[..., ServerProcess]) ->
             assert first_token.wait(60)
             queued = threading.Thread(target=queued_request)
             queued.start()
-            deadline = time.monotonic() + 60
-            while http.get(f"/v1/deployments/{DEP}").json()["queued"] != 1:
-                assert time.monotonic() < deadline, "the second request never queued"
-                time.sleep(0.05)
+            wait_until(
+                lambda: http.get(f"/v1/deployments/{DEP}").json()["queued"] == 1,
+                "the second request to queue",
+            )
+
             # The engine gauges come from the replica's status, pushed every 0.25 s.
-            deadline = time.monotonic() + 5
-            while True:
-                during = scrape(http)
-                if val(during, "tokenmill_num_requests_running") == 1:
-                    break
-                assert time.monotonic() < deadline, "running never reached 1"
-                time.sleep(0.05)
+            def shows_running() -> Samples | None:
+                samples = scrape(http)
+                return samples if val(samples, "tokenmill_num_requests_running") else None
+
+            during = wait_until(shows_running, "the running gauge to show the stream")
             # The slot is taken and the queue is full: a third request is refused.
             refused = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2})
             assert refused.status_code == 429
@@ -282,14 +277,14 @@ def test_load_gauges_and_overload(start_server: Callable[..., ServerProcess]) ->
             running.join(120)
         queued.join(120)
         assert statuses == [200]
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
+
+        def counted() -> bool:
             after = scrape(http)
-            if val(after, "tokenmill_generation_tokens_total") == engine_tokens(http) and (
+            return val(after, "tokenmill_generation_tokens_total") == engine_tokens(http) and (
                 val(after, "tokenmill_request_success_total", finished_reason="abort") == 1
-            ):
-                break
-            time.sleep(0.2)
+            )
+
+        wait_until(counted, "the aborted stream's tokens to be counted on both sides")
         after = scrape(http)
         produced = engine_tokens(http)
     assert val(during, "tokenmill_num_requests_running") == 1
@@ -297,8 +292,8 @@ def test_load_gauges_and_overload(start_server: Callable[..., ServerProcess]) ->
     assert 0 < val(during, "tokenmill_kv_cache_usage_perc") <= 1
     assert val(after, "tokenmill_request_errors_total", code="overloaded") == 1
     assert val(after, "tokenmill_request_queue_time_seconds_count") == 2
-    # The queued request waited at least while the scrape and the refusal happened.
-    assert val(after, "tokenmill_request_queue_time_seconds_sum") > 0.005
+    # The queued request's wait was measured (how long it was is up to the machine).
+    assert val(after, "tokenmill_request_queue_time_seconds_sum") > 0
     assert val(after, "tokenmill_num_requests_running") == 0
     assert val(after, "tokenmill_num_requests_waiting") == 0
     assert val(after, "tokenmill_request_success_total", finished_reason="abort") == 1

@@ -14,6 +14,7 @@ import pytest
 
 from tests.client.conftest import LONG_PROMPT, dead_upstream_config
 from tests.conftest import ServerProcess, free_port
+from tests.waiting import wait_until
 from tokenmill import (
     APIConnectionError,
     AsyncClient,
@@ -139,18 +140,21 @@ def test_5xx_and_connect_errors_are_retried_until_the_server_is_up(
         result = pool.submit(patient)
         # ...while an impatient one sees what it is waiting through.
         seen: set[str] = set()
-        deadline = time.monotonic() + 120
         with Client(srv.url, max_retries=0) as client:
-            while time.monotonic() < deadline:
+
+            def served() -> bool:
                 try:
                     client.complete("Hi", max_tokens=2)
-                    break
                 except APIConnectionError:
                     seen.add("connect")
                 except ServerError as e:
                     assert e.status == 503 and e.code == "unavailable"
                     seen.add("503")
-                time.sleep(0.02)
+                else:
+                    return True
+                return False
+
+            wait_until(served, "the server to serve")
         assert result.result(timeout=120)
     assert seen == {"connect", "503"}
     retries = _retries(caplog)

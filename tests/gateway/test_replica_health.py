@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,9 @@ import pytest
 
 from tests.conftest import ServerProcess, free_port, launch
 from tests.gateway.no_usage_upstream import TEXT
-from tests.gateway.test_deployments import COUNTING, events, signal_mid_stream
+from tests.gateway.test_deployments import COUNTING, process_gone, signal_mid_stream
+from tests.sse import events
+from tests.waiting import HANG_S, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,13 +60,11 @@ def replica(c: httpx.Client, dep: str) -> dict[str, Any]:
 
 
 def wait_state(c: httpx.Client, dep: str, ok: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    deadline = time.monotonic() + 60
-    while True:
+    def matching() -> dict[str, Any] | None:
         rep = replica(c, dep)
-        if ok(rep):
-            return rep
-        assert time.monotonic() < deadline, rep
-        time.sleep(0.02)
+        return rep if ok(rep) else None
+
+    return wait_until(matching, f"{dep}'s replica to reach the expected state")
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +93,9 @@ def test_a_wedged_replica_is_killed_and_restarted(probed: ServerProcess) -> None
         body |= {"temperature": 0, "ignore_eos": True}
         # Alive but answering nothing: what a hung native call looks like.
         ended, tail = signal_mid_stream(c, body, before["pid"], signal.SIGSTOP)
-        # Found within the 1.5 s timeout plus a 0.25 s probe period, then killed.
-        assert 1.5 <= ended < 4.0, ended
+        # Not killed before it had been silent for the 1.5 s timeout (how soon after is
+        # up to the machine: the probe runs every 0.25 s, then the kill and the EOF).
+        assert ended >= 1.5, ended
         assert tail[-1] == "[DONE]"
         errors = [e for e in tail if isinstance(e, dict) and "error" in e]
         assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail
@@ -103,10 +103,8 @@ def test_a_wedged_replica_is_killed_and_restarted(probed: ServerProcess) -> None
         assert after["pid"] not in (None, before["pid"])
         assert set(thread_nice(after["pid"]).values()) == {REPLICA_NICE}
         assert after["restarts"] == before["restarts"] + 1
-        with pytest.raises(ProcessLookupError):  # killed, not left stopped
-            for _ in range(50):
-                os.kill(before["pid"], 0)
-                time.sleep(0.1)
+        # Killed, not left stopped.
+        wait_until(lambda: process_gone(before["pid"]), f"process {before['pid']} to exit")
         r2 = c.post("/v1/completions", json={"model": "probed", "prompt": "Hi", "max_tokens": 4})
         assert r2.status_code == 200, r2.text
     assert "is wedged" in probed.log()
@@ -157,15 +155,16 @@ def no_usage_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
+
+    def listening() -> bool:
+        assert proc.poll() is None, log.read_text()
+        with contextlib.suppress(httpx.TransportError):
+            httpx.get(url, timeout=HANG_S)
+            return True
+        return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.get(url, timeout=1.0)
-                break
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_until(listening, "the fake upstream to listen")
         yield url
     finally:
         proc.terminate()

@@ -17,6 +17,7 @@ import httpx
 
 from tests.conftest import ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
+from tests.ledger.helpers import receipt
 from tests.sse import DONE, Event, events, text
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import Price
@@ -55,17 +56,6 @@ def texts(stream: Iterator[Event], n: int) -> list[str]:
         if text(event):
             out.append(text(event))
     return out
-
-
-def receipt(c: httpx.Client, rid: str) -> dict[str, Any]:
-    """The settled usage of ``rid``; a stream whose client left settles just after."""
-
-    def settled() -> dict[str, Any] | None:
-        r = c.get(f"/v1/usage/{rid}")
-        assert r.status_code in (200, 404), r.text
-        return dict(r.json()) if r.status_code == 200 else None
-
-    return wait_until(settled, f"the receipt of {rid}")
 
 
 def test_full_queue_answers_429_with_retry_after(

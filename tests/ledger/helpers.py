@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
 
+from tests.waiting import HANG_S, wait_until
 from tokenmill.config import Price
 from tokenmill.gateway.metering import cost
 
@@ -51,18 +51,15 @@ def account(client: httpx.Client, account_id: str) -> dict[str, Any]:
     return data
 
 
-def receipt(client: httpx.Client, request_id: str, timeout: float = 90.0) -> dict[str, Any]:
+def receipt(client: httpx.Client, request_id: str, timeout: float = HANG_S) -> dict[str, Any]:
     """The usage record, waiting for it: a disconnected stream settles just after."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def settled() -> dict[str, Any] | None:
         resp = client.get(f"/v1/usage/{request_id}")
-        if resp.status_code == 200:
-            data: dict[str, Any] = resp.json()
-            return data
-        assert resp.status_code == 404, resp.text
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no receipt for {request_id}")
-        time.sleep(0.05)
+        assert resp.status_code in (200, 404), resp.text
+        return dict(resp.json()) if resp.status_code == 200 else None
+
+    return wait_until(settled, f"the receipt of {request_id}", timeout=timeout)
 
 
 def expected_charge(r: dict[str, Any]) -> int:

@@ -58,6 +58,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess, launch
+from tests.driver import EngineDriver
 from tests.ledger.helpers import (
     CONFIG,
     ENV,
@@ -69,7 +70,9 @@ from tests.ledger.helpers import (
     new_key,
     receipt,
 )
+from tests.waiting import wait_until
 from tokenmill.engines.base import GenerationRequest, SamplingParams
+from tokenmill.gateway.deployment import SCRIPTED_ENGINE
 from tokenmill.gateway.process import ProcessEngine
 
 WAVE1 = 100  # streams before the kill, nothing killed
@@ -100,28 +103,28 @@ def _replicas(adm: httpx.Client) -> list[dict[str, Any]]:
 def _kill_a_busy_replica(adm: httpx.Client, go: threading.Event) -> dict[str, Any]:
     """SIGKILL the busier replica once enough streams run; follow it until restarted."""
     assert go.wait(600), "the streams never started"
-    deadline = time.monotonic() + 60
-    while True:
-        reps = _replicas(adm)
-        victim = max(reps, key=lambda r: r["in_flight"])
-        if victim["in_flight"] >= 4 and victim["pid"] and victim["state"] == "ready":
-            break
-        assert time.monotonic() < deadline, reps
-        time.sleep(0.01)
+
+    def busy() -> dict[str, Any] | None:
+        victim = max(_replicas(adm), key=lambda r: r["in_flight"])
+        ok = victim["in_flight"] >= 4 and victim["pid"] and victim["state"] == "ready"
+        return victim if ok else None
+
+    victim = wait_until(busy, "a replica with 4 streams in flight")
     killed_at = time.time()  # before the kill: whatever settled earlier was not cut by it
     os.kill(victim["pid"], signal.SIGKILL)
     # Between the death and the new child's ready frame the gateway still shows the
     # dead child's last published status, with pid None: that is P.
     last_published: int | None = None
-    deadline = time.monotonic() + 120
-    while True:
+
+    def restarted() -> dict[str, Any] | None:
+        nonlocal last_published
         rep = _replicas(adm)[victim["index"]]
         if rep["pid"] is None and last_published is None:
             last_published = rep["tokens_generated"]
-        if rep["state"] == "ready" and rep["pid"] not in (None, victim["pid"]):
-            break
-        assert time.monotonic() < deadline, rep
-        time.sleep(0.02)
+        back = rep["state"] == "ready" and rep["pid"] not in (None, victim["pid"])
+        return rep if back else None
+
+    rep = wait_until(restarted, "the killed replica to restart")
     assert last_published is not None, "never saw the replica dead"
     assert rep["restarts"] == victim["restarts"] + 1
     return {
@@ -134,17 +137,18 @@ def _kill_a_busy_replica(adm: httpx.Client, go: threading.Event) -> dict[str, An
 
 def _quiet_replicas(adm: httpx.Client) -> list[dict[str, Any]]:
     """Replica snapshots once nothing runs and the children's counters stopped moving."""
-    deadline = time.monotonic() + 60
-    last = None
-    while True:
+    last: list[tuple[Any, ...]] = []
+
+    def quiet() -> list[dict[str, Any]] | None:
+        nonlocal last
         reps = _replicas(adm)
         snap = [(r["pid"], r["state"], r["in_flight"], r["tokens_generated"]) for r in reps]
         idle = all(r["state"] == "ready" and r["in_flight"] == 0 for r in reps)
-        if idle and snap == last:
-            return reps
-        assert time.monotonic() < deadline, reps
-        last = snap
-        time.sleep(0.6)  # > 2 status intervals (0.25 s): a changed counter shows
+        same, last = snap == last, snap
+        return reps if idle and same else None
+
+    # Compared 0.6 s apart, more than 2 status intervals (0.25 s): a changed counter shows.
+    return wait_until(quiet, "the replicas to be idle with still counters", interval=0.6)
 
 
 def _stream(
@@ -320,24 +324,28 @@ async def test_a_left_stream_whose_end_had_arrived_is_billed_in_full() -> None:
     the client left), there is nothing left to stop, but ``abort`` must still report
     the final usage: otherwise only the chunks read so far are billed.
     """
-    kwargs = {"model_path": None, "max_num_seqs": 1, "n_ctx": 256, "n_threads": 1}
-    engine = ProcessEngine("llamacpp", kwargs)
+    driver = EngineDriver()
+    kwargs = {"control": str(driver.path), "max_num_seqs": 2, "n_ctx": 256}
+    engine = ProcessEngine(SCRIPTED_ENGINE, kwargs)
     await engine.start()
     try:
-        sampling = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-        request = GenerationRequest("req-left-late", sampling, prompt="Count: 1, 2, 3,")
+        request = GenerationRequest("left-late", SamplingParams(max_tokens=6), prompt="1, 2, 3,")
         stream = engine.generate(request)
         assert isinstance(stream, AsyncGenerator)
-        first = await anext(stream)
-        assert first.finish_reason is None and 1 <= first.tokens < 6, first
-        deadline = time.monotonic() + 60
-        while engine.health().tokens_generated < 6:
-            assert time.monotonic() < deadline, engine.health()
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)  # the final chunk follows the counter within a moment
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.to_thread(driver.wait, "started", "left-late")
+        driver.emit("left-late", 1)
+        assert (await first).tokens == 1
+        driver.emit("left-late", 5)  # up to max_tokens: the last chunk follows, unread
+        await asyncio.to_thread(driver.wait, "ended", "left-late")
+        # The replica answers a frame sent after that last chunk only once the chunk
+        # has gone out before the answer: when prepare() returns, the chunk is here.
+        barrier = GenerationRequest("barrier", SamplingParams(max_tokens=1), prompt="x")
+        await engine.prepare(barrier)
         # What RequestStream.aclose does for a stream that did not finish: abort, close.
         usage = await engine.abort(request.request_id)
         await stream.aclose()
         assert usage is not None and usage.completion_tokens == 6, usage
     finally:
         await engine.close()
+        await asyncio.to_thread(driver.close)

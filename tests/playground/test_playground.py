@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import httpx
 from playwright.sync_api import Page
 
 from tests.conftest import ServerProcess
+from tests.waiting import wait_until
 
 # Records the output text's length on every animation frame: what a person sees.
 SAMPLER = """() => {
@@ -80,10 +80,7 @@ def test_stop_aborts_and_frees_the_slot(page: Page, http: httpx.Client) -> None:
     assert in_flight(http) == 1
     page.click("#stop-btn")
     wait_done(page)
-    deadline = time.monotonic() + 10
-    while in_flight(http) != 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert in_flight(http) == 0
+    wait_until(lambda: in_flight(http) == 0, "the stopped request's slot to come back")
     assert page.inner_text("[data-stat=stopped]") == "stopped"
     assert page.is_hidden("#error")
     # The slot is really free: the next request runs to completion.

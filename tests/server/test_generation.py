@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ServerProcess
+from tests.ledger.helpers import receipt
+from tests.sse import events
+from tests.sse import text as event_text
+from tests.waiting import HANG_S, wait_until
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -192,27 +195,7 @@ def test_eight_concurrent_streams_all_complete(server: ServerProcess) -> None:
     assert len(results) == 8 and all(results.values())
 
 
-def generated_tokens(http: httpx.Client) -> int:
-    d = http.get("/v1/deployments/smollm2").json()
-    return sum(r["tokens_generated"] for r in d["replicas"])
-
-
-def settled_tokens(http: httpx.Client, within: float = 5.0) -> int:
-    """The replica's token counter once it stopped moving: the child publishes it
-    every 0.25 s, so a stream that just ended may still be arriving."""
-    deadline = time.monotonic() + within
-    last = -1
-    while time.monotonic() < deadline:
-        now = generated_tokens(http)
-        if now == last:
-            return now
-        last = now
-        time.sleep(0.3)
-    return generated_tokens(http)
-
-
 def test_disconnect_stops_generation(server: ServerProcess, http: httpx.Client) -> None:
-    before = settled_tokens(http)  # the previous test's last tokens are counted first
     body = {
         "prompt": "Write a very long story.",
         "max_tokens": 1500,
@@ -223,17 +206,21 @@ def test_disconnect_stops_generation(server: ServerProcess, http: httpx.Client) 
     }
     received = 0
     with (
-        httpx.Client(base_url=server.url, timeout=60) as c,
+        httpx.Client(base_url=server.url, timeout=HANG_S) as c,
         c.stream("POST", COMPLETIONS, json=body) as r,
     ):
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
+        request_id = r.headers["x-request-id"]
+        for event in events(r):
+            if event_text(event):
                 received += 1
                 if received >= 5:
                     break
-    # The connection is closed now; the engine must stop within a token or two.
-    produced = settled_tokens(http) - before
-    assert produced < 60, f"generation ran on after disconnect: {produced} tokens"
-    time.sleep(0.5)
-    assert generated_tokens(http) - before == produced
-    assert http.get("/v1/deployments/smollm2").json()["in_flight"] == 0
+    # The connection is closed now: the gateway aborts the generation and settles the
+    # tokens the engine really produced, counted when it stopped.
+    got = receipt(http, request_id)
+    assert got["finish_reason"] == "abort"
+    assert received <= got["completion_tokens"] < 60, f"generation ran on: {got}"
+    wait_until(
+        lambda: http.get("/v1/deployments/smollm2").json()["in_flight"] == 0,
+        "the aborted request's slot to come back",
+    )
