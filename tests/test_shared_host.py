@@ -19,7 +19,9 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess, free_port
+from tests.sse import events
 from tests.waiting import wait_until
+from tokenmill.bench import busy_loops
 from tokenmill.engines.threads import available_cpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,3 +106,23 @@ def test_default_settings_keep_serving_beside_busy_loops(
     ratio = rate["tokenmill"] / rate["llama-server"]
     print(f"beside {busy} busy loops: tokenmill {rate} -> ratio {ratio:.2f}")
     assert ratio >= 0.5, rate
+
+
+def test_a_replica_moves_to_fewer_threads_when_busy_loops_share_its_cores(
+    server: ServerProcess,
+) -> None:
+    def threads() -> int:
+        replica = httpx.get(f"{server.url}/v1/deployments/smollm2", timeout=30).json()
+        return int(replica["replicas"][0]["threads"])
+
+    body = {"prompt": "Tell a very long story.", "max_tokens": 1500, "ignore_eos": True}
+    with (
+        busy_loops(available_cpus()),
+        httpx.Client(base_url=server.url, timeout=120) as client,
+        client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        stream = events(r)  # one iterator: dropping it would close the stream
+        next(stream)
+        # The tuner measures its steps while the stream runs, and takes fewer threads.
+        wait_until(lambda: threads() < available_cpus(), "the replica to use fewer threads")
+        assert next(stream)  # still streaming

@@ -109,6 +109,8 @@ class EngineHealth:
     waiting: int = 0
     tokens_generated: int = 0
     kv_cache_usage: float = 0.0
+    # Threads the last decode step used (engines that run the model here; else None).
+    threads: int | None = None
     detail: dict[str, object] = field(default_factory=dict)
 
 

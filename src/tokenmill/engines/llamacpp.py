@@ -342,7 +342,8 @@ class LlamaCppEngine:
             waiting=len(self._inbox),
             tokens_generated=self.tokens_generated,
             kv_cache_usage=used / total,
-            detail={"stalled_s": self.stalled_s(), "threads": self._threads_now},
+            threads=self._threads_now,
+            detail={"stalled_s": self.stalled_s()},
         )
 
     def stalled_s(self) -> float:

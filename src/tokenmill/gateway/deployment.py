@@ -77,6 +77,7 @@ class Replica:
             "slots": self.slots,
             "restarts": getattr(self.engine, "restarts", self.restarts),
             "tokens_generated": h.tokens_generated,
+            "threads": h.threads,
         }
 
 

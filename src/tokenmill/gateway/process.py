@@ -238,6 +238,7 @@ class ProcessEngine:
             waiting=int(s.get("waiting", 0)),
             tokens_generated=int(s.get("tokens_generated", 0)),
             kv_cache_usage=float(s.get("kv_cache_usage", 0.0)),
+            threads=s.get("threads"),
             detail={"pid": self.pid, "restarts": self.restarts},
         )
 

@@ -129,6 +129,7 @@ class Runner:
             "waiting": h.waiting,
             "tokens_generated": h.tokens_generated,
             "kv_cache_usage": round(h.kv_cache_usage, 4),
+            "threads": h.threads,
             # Whole seconds the current decode step has been running: the gateway's
             # probe kills a child whose engine hangs in native code.
             "stalled_s": int(stalled) if isinstance(stalled, int | float) else 0,
