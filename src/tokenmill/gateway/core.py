@@ -23,7 +23,13 @@ from typing import Any, Protocol, TypeVar
 
 from tokenmill.config import Settings
 from tokenmill.engines.base import Chunk, GenerationRequest, Usage
-from tokenmill.errors import EngineError, NotFoundError, TokenmillError
+from tokenmill.errors import (
+    EngineError,
+    NotFoundError,
+    PermissionDeniedError,
+    TokenmillError,
+    UnavailableError,
+)
 from tokenmill.gateway.deployment import Deployment, Replica
 from tokenmill.gateway.metering import (
     ANONYMOUS,
@@ -93,6 +99,8 @@ class RequestStream:
         self._engine_stream: AsyncIterator[Chunk] | None = None
         self._closing: asyncio.Task[None] | None = None
         self.usage: Usage | None = None
+        # Set by the drain before it aborts this stream: the client is told why.
+        self.cut_at_shutdown = False
 
     @property
     def request_id(self) -> str:
@@ -117,6 +125,8 @@ class RequestStream:
                     self.usage = chunk.usage
                     rec.completion_tokens = chunk.usage.completion_tokens
                     rec.cached_tokens = chunk.usage.cached_tokens
+                if chunk.finish_reason == "abort" and self.cut_at_shutdown:
+                    break
                 if chunk.finish_reason is not None:
                     rec.finish_reason = chunk.finish_reason
                 if chunk.text:
@@ -125,11 +135,18 @@ class RequestStream:
                 yield chunk
                 if chunk.finish_reason is not None:
                     return
+            if self.cut_at_shutdown:
+                raise UnavailableError(
+                    "the gateway shut down before this generation finished; the tokens "
+                    "sent were billed, retry for the rest",
+                    code="shutting_down",
+                )
             raise EngineError("the replica ended the stream without finishing it")
         except TokenmillError as e:
-            rec.status = "error"
-            rec.error_code = e.code
-            rec.finish_reason = "error"
+            if not self.cut_at_shutdown:  # else the books say "abort", as _close set
+                rec.status = "error"
+                rec.error_code = e.code
+                rec.finish_reason = "error"
             raise
         except asyncio.CancelledError:
             rec.finish_reason = "abort"
@@ -211,6 +228,9 @@ class Gateway:
         self.meter: Meter = meter or FreeMeter()
         self.observers: list[Observer] = []
         self.ready = False
+        # Set at shutdown: no request is admitted any more (503), open ones may finish.
+        self.draining = False
+        self._drain_deadline: float | None = None
         self._open: set[RequestStream] = set()
         self.records: dict[str, RequestRecord] = {}
 
@@ -224,15 +244,36 @@ class Gateway:
         await asyncio.gather(*(d.start() for d in self.deployments.values()))
         self.ready = True
 
-    async def close(self, drain_s: float = 5.0) -> None:
-        """Drain: let open streams finish up to ``drain_s``, abort the rest, close engines."""
-        self.ready = False
+    async def drain(self, drain_s: float) -> None:
+        """Stop admitting, let open streams finish up to ``drain_s``, abort the rest.
+
+        Each stream is settled by its own ``aclose``; when this returns none is open.
+        """
+        self.draining = True
         deadline = time.monotonic() + drain_s
-        while self._open and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded poll
+        if self._drain_deadline is not None:  # a second drain never extends the first
+            deadline = min(deadline, self._drain_deadline)
+        self._drain_deadline = deadline
+        # _drain_deadline is re-read: end_drain() may cut it short.
+        while self._open and time.monotonic() < self._drain_deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
-        for stream in list(self._open):
+        left = list(self._open)
+        if left:
+            log.warning("aborting %d open request(s) after the %gs drain", len(left), drain_s)
+        for stream in left:
             log.warning("aborting %s at shutdown", stream.request_id)
-            await stream.aclose()
+            stream.cut_at_shutdown = True
+        await asyncio.gather(*(stream.aclose() for stream in left))
+
+    def end_drain(self) -> None:
+        """Cut a running drain short: what is still open is aborted now."""
+        self.draining = True
+        self._drain_deadline = time.monotonic()
+
+    async def close(self, drain_s: float = 5.0) -> None:
+        """Drain (see :meth:`drain`), then close the engines."""
+        await self.drain(drain_s)
+        self.ready = False
         await asyncio.gather(
             *(d.close() for d in self.deployments.values()), return_exceptions=True
         )
@@ -261,6 +302,19 @@ class Gateway:
         """Admit, count the prompt, hold credit, pick a replica. Raises before streaming."""
         record = RequestRecord(request.request_id, deployment.id, caller)
         try:
+            if self.draining:
+                raise UnavailableError(
+                    "the gateway is shutting down and admits no new request; retry shortly "
+                    "(another instance, or this one once restarted)",
+                    retry_after=1.0,
+                    code="shutting_down",
+                )
+            if caller.is_admin:
+                # The admin key bills no account: generating with it would be free.
+                raise PermissionDeniedError(
+                    "the admin key manages accounts and bills none: generate with an "
+                    "account's API key (POST /admin/keys)"
+                )
             queue_s = await deployment.admission.acquire()
         except BaseException as e:
             self._refused(record, e)

@@ -5,12 +5,20 @@ anonymous account. With it set, ``/v1`` needs ``Authorization: Bearer <key>`` an
 ``/admin`` needs the admin key. Keys are looked up by their SHA-256, cached for a
 moment to keep the hot path off the database; revocation still bites at once where
 it matters, because every hold re-checks the key inside its transaction.
+
+A presented key is never compared with a secret character by character: the admin key
+is compared as SHA-256 digests with :func:`hmac.compare_digest` (constant time, and
+the same length whatever was sent), API keys are found by their digest. A key in the
+query string is refused even where the header is right: URLs end up in proxy logs and
+browser histories. This module never logs a key.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import time
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -23,6 +31,21 @@ from tokenmill.server.errors import error_response
 CACHE_TTL_S = 2.0
 _CACHE_MAX = 10_000
 ADMIN = Caller(account_id=ANONYMOUS_ACCOUNT, is_admin=True)
+# Query parameters that carry a key in other APIs; no tokenmill route takes one.
+KEY_PARAMS = frozenset({"api_key", "api-key", "apikey", "key", "access_token", "token", "auth"})
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def same_key(presented: str, expected_digest: bytes) -> bool:
+    """Whether ``presented`` is the key whose SHA-256 is ``expected_digest``.
+
+    Constant time in the key: two 32-byte digests, compared with ``compare_digest``,
+    so neither a matching prefix nor the presented key's length shows in the timing.
+    """
+    return hmac.compare_digest(digest(presented), expected_digest)
 
 
 class KeyCache:
@@ -52,6 +75,14 @@ class KeyCache:
         }
 
 
+def _key_in_query(scope: Scope) -> bool:
+    query: bytes = scope.get("query_string", b"")
+    if not query:
+        return False
+    names = {name.lower() for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True)}
+    return not names.isdisjoint(KEY_PARAMS)
+
+
 def _bearer(scope: Scope) -> str | None:
     for name, value in scope["headers"]:
         if name == b"authorization":
@@ -68,7 +99,7 @@ class Auth:
 
     def __init__(self, app: ASGIApp, admin_key: str | None, keys: KeyCache) -> None:
         self.app = app
-        self.admin_key = admin_key
+        self.admin_digest = None if admin_key is None else digest(admin_key)
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,14 +118,20 @@ class Auth:
         is_admin_path = path == "/admin" or path.startswith("/admin/")
         if not (is_admin_path or path == "/v1" or path.startswith("/v1/")):
             return None
-        if self.admin_key is None:
+        if self.admin_digest is None:
             return ADMIN if is_admin_path else ANONYMOUS
+        if _key_in_query(scope):
+            raise AuthenticationError(
+                "API keys are refused in the URL, where logs and histories keep them: "
+                "send 'Authorization: Bearer <key>' and revoke the key you sent",
+                code="api_key_in_query",
+            )
         token = _bearer(scope)
         if token is None:
             raise AuthenticationError(
                 "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
             )
-        if hmac.compare_digest(token.encode(), self.admin_key.encode()):
+        if same_key(token, self.admin_digest):
             return ADMIN
         info = await self.keys.lookup(token)
         if info is None or info.revoked is not None:
