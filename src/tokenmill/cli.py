@@ -14,9 +14,8 @@ Command = Callable[[argparse.Namespace], int]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from tokenmill.server.app import create_app
+    from tokenmill.server.listener import serve
 
     overrides = {
         "host": args.host,
@@ -45,14 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
     )
     app = create_app(settings)
     print(f"tokenmill serving on http://{settings.host}:{settings.port}", flush=True)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=15,
-    )
+    serve(app, settings, app.state.gateway)
     return 0
 
 

@@ -27,6 +27,13 @@ DEFAULT_N_CTX = 2048
 DEFAULT_MAX_NUM_SEQS = 16
 # 1 MiB of JSON is far beyond any prompt that fits a 2k-token window.
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+# At shutdown, open streams get this long to finish before they are aborted: enough
+# for a typical answer to end, short enough for an orchestrator's kill timeout (30 s).
+DEFAULT_DRAIN_S = 10.0
+# A client gets this long to send a whole request (headers and body), and a reader
+# this long to take a stalled write, before its connection is closed: far beyond any
+# honest client, short enough that held connections cost little.
+DEFAULT_CLIENT_TIMEOUT_S = 30.0
 
 
 class ConfigError(Exception):
@@ -132,6 +139,8 @@ class Settings(BaseModel):
     log_level: str = "info"
     # Prometheus observer and GET /metrics; off, the hot path carries no observer at all.
     metrics: bool = True
+    drain_s: float = Field(default=DEFAULT_DRAIN_S, ge=0)
+    client_timeout_s: float = Field(default=DEFAULT_CLIENT_TIMEOUT_S, gt=0)
     deployments: list[DeploymentConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -159,6 +168,8 @@ _ENV_KEYS = (
     "admin_key",
     "log_level",
     "metrics",
+    "drain_s",
+    "client_timeout_s",
 )
 
 

@@ -8,6 +8,7 @@
     ├── PermissionDeniedError            403
     ├── NotFoundError                    404 (code model_not_found, ...)
     ├── PayloadTooLargeError             413
+    ├── ClientGoneError                  499 (the client left mid-request: nobody reads it)
     ├── OverloadedError                  429 (carries retry_after seconds)
     ├── EngineError                      502 (a replica failed mid-request)
     └── UnavailableError                 503 (loading, shutting down, no replica)
@@ -84,6 +85,14 @@ class PayloadTooLargeError(TokenmillError):
     status = 413
     type = "invalid_request_error"
     default_code = "request_too_large"
+
+
+class ClientGoneError(TokenmillError):
+    """The client closed the connection (or was cut off) before its request was read."""
+
+    status = 499
+    type = "invalid_request_error"
+    default_code = "client_closed_request"
 
 
 class OverloadedError(TokenmillError):

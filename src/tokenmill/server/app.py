@@ -41,8 +41,6 @@ log = logging.getLogger("tokenmill.server")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # The web playground's static files, shipped as package data.
 PLAYGROUND_DIR = Path(__file__).resolve().parent.parent / "playground"
-# Open streams get this long to finish at shutdown before they are aborted.
-DRAIN_S = 10.0
 
 
 class RequestContext:
@@ -102,7 +100,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
             yield
         finally:
             loader.cancel()
-            await gw.close(DRAIN_S)
+            await gw.close(settings.drain_s)
             await meter.close()
             await ledger.close()
 
@@ -141,6 +139,8 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     async def health() -> JSONResponse:
         if app.state.load_error:
             return JSONResponse({"status": "failed"}, status_code=503)
+        if gw.draining:  # shutting down: a balancer should send elsewhere
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not gw.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -5,10 +5,15 @@ from __future__ import annotations
 import logging
 
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from tokenmill.errors import InvalidRequestError, PayloadTooLargeError, TokenmillError
+from tokenmill.errors import (
+    ClientGoneError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    TokenmillError,
+)
 from tokenmill.server.protocol import error_param
 
 log = logging.getLogger("tokenmill.server")
@@ -39,11 +44,16 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         )
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise PayloadTooLargeError(f"the request body exceeds the limit of {max_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise PayloadTooLargeError(
+                    f"the request body exceeds the limit of {max_bytes} bytes"
+                )
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by the listener's deadline: not our error
+        raise ClientGoneError("the client left before its request body arrived") from None
     return b"".join(chunks)
 
 
