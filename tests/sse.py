@@ -1,4 +1,4 @@
-"""Reading a server-sent event stream in tests."""
+"""Reading a server-sent event stream in tests: the one reader, strict about framing."""
 
 from __future__ import annotations
 
@@ -15,13 +15,31 @@ Event = dict[str, Any] | str  # a JSON event, or DONE
 def events(r: httpx.Response) -> Iterator[Event]:
     """The ``data:`` events of a streamed response: each JSON one decoded, then DONE.
 
+    The framing is checked as the events are read: tokenmill sends nothing but
+    ``data:`` lines and the blank lines between them, and nothing after DONE.
+
     Keep the iterator referenced while the stream should stay open: a dropped one
     closes the connection, which the server sees as the client leaving.
     """
+    done = False
     for line in r.iter_lines():
-        if line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            yield DONE if data == DONE else json.loads(data)
+        if not line:
+            continue
+        assert not done, f"{line!r} after data: [DONE]"
+        assert line.startswith("data: "), f"not a server-sent data line: {line!r}"
+        data = line.removeprefix("data: ")
+        if data == DONE:
+            done = True
+            yield DONE
+        else:
+            yield json.loads(data)
+
+
+def to_done(r: httpx.Response) -> list[dict[str, Any]]:
+    """Every JSON event of a stream read to its end, which must be DONE."""
+    got = list(events(r))
+    assert got and got[-1] == DONE, f"the stream ended without data: [DONE]: {got}"
+    return [e for e in got[:-1] if isinstance(e, dict)]
 
 
 def text(event: Event) -> str:
@@ -30,3 +48,10 @@ def text(event: Event) -> str:
         return ""
     choice = event["choices"][0]
     return str(choice.get("text") or choice.get("delta", {}).get("content") or "")
+
+
+def usage(event: Event) -> dict[str, Any] | None:
+    """The usage an event carries (the last one, with ``include_usage``), else None."""
+    if not isinstance(event, dict) or not event.get("usage"):
+        return None
+    return dict(event["usage"])

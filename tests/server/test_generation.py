@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -13,25 +12,12 @@ from hypothesis import strategies as st
 
 from tests.conftest import ServerProcess
 from tests.ledger.helpers import receipt
-from tests.sse import events
+from tests.sse import events, to_done
 from tests.sse import text as event_text
 from tests.waiting import HANG_S, wait_until
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-
-
-def sse(r: httpx.Response) -> Iterator[dict[str, Any]]:
-    """Parse an event stream; stop at [DONE] (asserting it arrives)."""
-    for line in r.iter_lines():
-        if not line:
-            continue
-        assert line.startswith("data: "), line
-        data = line.removeprefix("data: ")
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
-    raise AssertionError("stream ended without [DONE]")
 
 
 def stream_completion(http: httpx.Client, body: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
@@ -44,7 +30,7 @@ def stream_completion(http: httpx.Client, body: dict[str, Any]) -> tuple[list[st
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["cache-control"] == "no-cache"
         assert r.headers["x-accel-buffering"] == "no"
-        for event in sse(r):
+        for event in to_done(r):
             assert "error" not in event, event
             if event["choices"]:
                 texts.append(event["choices"][0]["text"])
