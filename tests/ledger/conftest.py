@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ import psycopg
 import pytest
 
 from tokenmill.ledger import ledger_from_url
-from tokenmill.ledger.sql import SqlLedger
+from tokenmill.ledger.sql import Clock, SqlLedger
 
 PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -36,12 +37,16 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture
-async def make_ledger(ledger_url: str) -> AsyncIterator[Callable[[], SqlLedger]]:
-    """Open ledgers on the test's store (several = several gateways); all closed after."""
+async def make_ledger(ledger_url: str) -> AsyncIterator[Callable[..., SqlLedger]]:
+    """Open ledgers on the test's store (several = several gateways); all closed after.
+
+    ``clock`` replaces the wall clock they read: a test that sets the time itself
+    steps across rate windows and heartbeat ages without waiting for them.
+    """
     opened: list[SqlLedger] = []
 
-    def make() -> SqlLedger:
-        ledger = ledger_from_url(ledger_url)
+    def make(clock: Clock = time.time) -> SqlLedger:
+        ledger = ledger_from_url(ledger_url, clock=clock)
         opened.append(ledger)
         return ledger
 
@@ -51,7 +56,7 @@ async def make_ledger(ledger_url: str) -> AsyncIterator[Callable[[], SqlLedger]]
 
 
 @pytest.fixture
-async def ledger(make_ledger: Callable[[], SqlLedger]) -> SqlLedger:
+async def ledger(make_ledger: Callable[..., SqlLedger]) -> SqlLedger:
     led = make_ledger()
     await led.open()
     return led

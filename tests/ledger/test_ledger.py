@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.waiting import HANG_S, wait_until
 from tokenmill.errors import (
     AuthenticationError,
     InsufficientCreditError,
@@ -18,7 +19,20 @@ from tokenmill.errors import (
 )
 from tokenmill.ledger import ledger_from_url
 from tokenmill.ledger.base import HoldSpec, hash_key
-from tokenmill.ledger.sql import SqlLedger
+from tokenmill.ledger.sql import RATE_WINDOW_S, SqlLedger
+
+# The start of a rate window (a minute of 2023): tests step from there.
+WINDOW_START = 28_333_333 * RATE_WINDOW_S
+
+
+class SetClock:
+    """A wall clock that moves only when the test moves it."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def spec(
@@ -100,7 +114,7 @@ async def test_duplicate_request_id_is_refused(ledger: SqlLedger) -> None:
 
 
 async def test_concurrent_holds_cannot_overdraw(
-    make_ledger: Callable[[], SqlLedger],
+    make_ledger: Callable[..., SqlLedger],
 ) -> None:
     # Two ledgers = two gateways' connections, racing 200 holds on one account.
     a, b = make_ledger(), make_ledger()
@@ -141,28 +155,36 @@ async def test_keys_are_stored_as_hashes_and_revocable(ledger: SqlLedger) -> Non
         await ledger.hold(spec("r1", acc.id, 0, key=info.id))
 
 
-async def test_rate_limits_count_held_tokens(ledger: SqlLedger) -> None:
+async def test_rate_limits_count_held_tokens(make_ledger: Callable[..., SqlLedger]) -> None:
+    clock = SetClock(WINDOW_START + 15)
+    ledger = make_ledger(clock)
+    await ledger.open()
     acc = await ledger.create_account("hank", 10**6)
     info, _ = await ledger.create_key(acc.id, rpm=3, tpm=100)
     # Two in-flight requests of 10 + 30 tokens each: the third would pass 100.
     await ledger.hold(spec("r1", acc.id, 1, key=info.id, prompt=10, max_tokens=30))
     await ledger.hold(spec("r2", acc.id, 1, key=info.id, prompt=10, max_tokens=30))
-    with pytest.raises(OverloadedError) as e:
+    with pytest.raises(OverloadedError, match="tokens per minute") as e:
         await ledger.hold(spec("r3", acc.id, 1, key=info.id, prompt=10, max_tokens=30))
-    assert e.value.status == 429 and 0 < e.value.retry_after <= 60
-    assert e.value.headers()["Retry-After"].isdigit()
+    assert e.value.status == 429 and e.value.retry_after == RATE_WINDOW_S - 15
+    assert e.value.headers()["Retry-After"] == str(RATE_WINDOW_S - 15)
     # r1 used only 5 of its 30: the unused tokens return to the window.
     await settle(ledger, "r1", 1, completion=5)
-    if int(time.time() // 60) == int((time.time() + 0.5) // 60):
-        await ledger.hold(spec("r4", acc.id, 1, key=info.id, prompt=10, max_tokens=30))
-        with pytest.raises(OverloadedError, match="requests per minute"):
-            await ledger.hold(spec("r5", acc.id, 1, key=info.id, prompt=1, max_tokens=1))
+    clock.now += 40  # still the same window
+    await ledger.hold(spec("r4", acc.id, 1, key=info.id, prompt=10, max_tokens=30))
+    with pytest.raises(OverloadedError, match="requests per minute") as e:
+        await ledger.hold(spec("r5", acc.id, 1, key=info.id, prompt=1, max_tokens=1))
+    assert e.value.retry_after == RATE_WINDOW_S - 55
+    # The next window starts empty, whatever the last one held.
+    clock.now = WINDOW_START + RATE_WINDOW_S
+    await ledger.hold(spec("r6", acc.id, 1, key=info.id, prompt=10, max_tokens=90))
 
 
 async def test_sweeper_settles_holds_of_a_dead_gateway(
-    make_ledger: Callable[[], SqlLedger],
+    make_ledger: Callable[..., SqlLedger],
 ) -> None:
-    dead, alive = make_ledger(), make_ledger()
+    clock = SetClock(WINDOW_START)
+    dead, alive = make_ledger(clock), make_ledger(clock)
     await dead.open()
     await alive.open()
     acc = await dead.create_account("ivan", 1000)
@@ -171,9 +193,12 @@ async def test_sweeper_settles_holds_of_a_dead_gateway(
     # The live gateway's own beat is fresh: nothing of a live gateway is swept.
     assert await alive.sweep(stale_s=30) == 0
     # ``dead`` stops beating (it crashed); once stale, ``alive`` settles its hold.
-    await asyncio.sleep(0.2)
+    clock.now += 30
     await alive.heartbeat()
-    assert await alive.sweep(stale_s=0.1) == 1
+    assert await alive.sweep(stale_s=30) == 0  # silent for exactly 30 s: not yet
+    clock.now += 1
+    await alive.heartbeat()
+    assert await alive.sweep(stale_s=30) == 1
     receipt = await alive.receipt("r1")
     assert receipt is not None and receipt.finish_reason == "expired" and receipt.charged == 30
     state = await alive.get_account(acc.id)
@@ -181,7 +206,9 @@ async def test_sweeper_settles_holds_of_a_dead_gateway(
     assert await alive.open_holds() == 1  # r2 belongs to the live gateway
 
 
-async def test_sqlite_opens_while_another_connection_holds_the_file(tmp_path: Path) -> None:
+async def test_sqlite_opens_while_another_connection_holds_the_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # A new file is switched to WAL, which SQLite refuses at once (no busy timeout)
     # while another connection holds a lock: a second gateway starting beside this one.
     path = tmp_path / "ledger.sqlite3"
@@ -189,14 +216,20 @@ async def test_sqlite_opens_while_another_connection_holds_the_file(tmp_path: Pa
     other.execute("CREATE TABLE other_tool (x INTEGER)")
     other.execute("BEGIN IMMEDIATE")
     other.execute("INSERT INTO other_tool VALUES (1)")
+    caplog.set_level(logging.INFO, logger="tokenmill.ledger")
     led = ledger_from_url(f"sqlite:///{path}")
     opening = asyncio.create_task(led.open())
-    await asyncio.sleep(0.3)
-    assert not opening.done()  # it waits for the lock instead of failing
+
+    def met_the_lock() -> bool:
+        return any("is locked by another connection" in r.getMessage() for r in caplog.records)
+
+    # The check polls in a thread: the loop must stay free to run open().
+    await asyncio.to_thread(wait_until, met_the_lock, "the ledger to meet the lock")
+    assert not opening.done()  # it met the lock and waits, instead of failing
     other.execute("COMMIT")
     other.close()
     try:
-        await asyncio.wait_for(opening, 10)
+        await asyncio.wait_for(opening, HANG_S)
         acc = await led.create_account("after-the-lock", 5)
         got = await led.get_account(acc.id)
         assert got is not None and got.balance == 5
@@ -204,7 +237,7 @@ async def test_sqlite_opens_while_another_connection_holds_the_file(tmp_path: Pa
         await led.close()
 
 
-async def test_migrations_are_applied_once(make_ledger: Callable[[], SqlLedger]) -> None:
+async def test_migrations_are_applied_once(make_ledger: Callable[..., SqlLedger]) -> None:
     first, second = make_ledger(), make_ledger()
     await asyncio.gather(first.open(), second.open())
     rows = await first._run(lambda tx: tx.all("SELECT version FROM schema_migrations"))

@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import platformdirs
 
 from tokenmill.config import Settings
 from tokenmill.ledger.base import Account, HoldSpec, KeyInfo, Ledger, Receipt
-from tokenmill.ledger.sql import SqlLedger
+from tokenmill.ledger.sql import Clock, SqlLedger
 
 __all__ = [
     "Account",
@@ -33,14 +34,14 @@ def data_dir(settings: Settings) -> Path:
     return Path(platformdirs.user_data_dir("tokenmill", appauthor=False))
 
 
-def ledger_from_url(url: str) -> SqlLedger:
+def ledger_from_url(url: str, *, clock: Clock = time.time) -> SqlLedger:
     """``postgresql://...`` or ``sqlite:///path/to/file``."""
     from tokenmill.ledger.backends import PostgresLedger, SqliteLedger
 
     if url.startswith(("postgresql://", "postgres://")):
-        return PostgresLedger(url)
+        return PostgresLedger(url, clock=clock)
     if url.startswith("sqlite:///"):
-        return SqliteLedger(Path(url.removeprefix("sqlite:///")))
+        return SqliteLedger(Path(url.removeprefix("sqlite:///")), clock=clock)
     raise ValueError(f"unsupported ledger URL {url!r}: use postgresql://... or sqlite:///path")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from pathlib import Path
@@ -10,13 +11,15 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
-from tokenmill.ledger.sql import SqlLedger, Tx
+from tokenmill.ledger.sql import Clock, SqlLedger, Tx
+
+log = logging.getLogger("tokenmill.ledger")
 
 # How long a connection waits for another one's lock on the file.
 LOCK_WAIT_S = 10.0
 
 
-def _enable_wal(conn: sqlite3.Connection) -> None:
+def _enable_wal(conn: sqlite3.Connection, path: Path) -> None:
     """Switch the file to WAL (a no-op once it is), waiting for other connections.
 
     Switching needs the file to itself for a moment, and SQLite answers "database is
@@ -24,6 +27,7 @@ def _enable_wal(conn: sqlite3.Connection) -> None:
     on it: two gateways starting on one new file met that about one time in four.
     """
     deadline = time.monotonic() + LOCK_WAIT_S
+    waiting = False
     while True:
         try:
             conn.execute("PRAGMA journal_mode = WAL")
@@ -32,6 +36,11 @@ def _enable_wal(conn: sqlite3.Connection) -> None:
             if e.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
                 conn.close()
                 raise
+        if not waiting:
+            waiting = True
+            log.info(
+                "ledger: %s is locked by another connection; waiting up to %gs", path, LOCK_WAIT_S
+            )
         time.sleep(0.01)
 
 
@@ -45,8 +54,10 @@ class SqliteLedger(SqlLedger):
     dialect = "sqlite"
     begin = "BEGIN IMMEDIATE"
 
-    def __init__(self, path: Path, *, gateway_id: str | None = None) -> None:
-        super().__init__(workers=1, gateway_id=gateway_id)
+    def __init__(
+        self, path: Path, *, gateway_id: str | None = None, clock: Clock = time.time
+    ) -> None:
+        super().__init__(workers=1, gateway_id=gateway_id, clock=clock)
         self.path = path
         self.retryable = (sqlite3.OperationalError,)
 
@@ -55,7 +66,7 @@ class SqliteLedger(SqlLedger):
         conn = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=LOCK_WAIT_S
         )
-        _enable_wal(conn)
+        _enable_wal(conn, self.path)
         # WAL + NORMAL: a commit survives a crashed process; only power loss can
         # lose the last transactions, and costs no fsync per hold.
         conn.execute("PRAGMA synchronous = NORMAL")
@@ -69,8 +80,15 @@ class PostgresLedger(SqlLedger):
     placeholder = "%s"
     retryable = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 
-    def __init__(self, url: str, *, workers: int = 8, gateway_id: str | None = None) -> None:
-        super().__init__(workers=workers, gateway_id=gateway_id)
+    def __init__(
+        self,
+        url: str,
+        *,
+        workers: int = 8,
+        gateway_id: str | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        super().__init__(workers=workers, gateway_id=gateway_id, clock=clock)
         self.url = url
 
     def _connect(self) -> Any:

@@ -44,6 +44,9 @@ from tokenmill.ledger.base import (
 
 log = logging.getLogger("tokenmill.ledger")
 T = TypeVar("T")
+# The wall clock every timestamp, rate window and heartbeat age is read from (seconds
+# since the epoch, as ``time.time``); a test sets its own to step across windows.
+Clock = Callable[[], float]
 RATE_WINDOW_S = 60
 _RETRIES = 5
 
@@ -99,8 +102,11 @@ class SqlLedger:
     placeholder = "?"
     retryable: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, *, workers: int = 1, gateway_id: str | None = None) -> None:
+    def __init__(
+        self, *, workers: int = 1, gateway_id: str | None = None, clock: Clock = time.time
+    ) -> None:
         self.gateway_id = gateway_id or f"gw_{uuid.uuid4().hex[:12]}"
+        self.clock = clock
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ledger")
         self._local = threading.local()
         self._conns: list[Any] = []
@@ -148,7 +154,7 @@ class SqlLedger:
 
     async def open(self) -> None:
         await self._run(self._migrate)
-        now = time.time()
+        now = self.clock()
         await self._run(
             lambda tx: tx.run(
                 "INSERT INTO accounts (id, name, balance, held, unlimited, created) "
@@ -197,7 +203,7 @@ class SqlLedger:
                     tx.run(statement)
             tx.run(
                 "INSERT INTO schema_migrations (version, name, applied) VALUES (?, ?, ?)",
-                (version, entry.name, time.time()),
+                (version, entry.name, self.clock()),
             )
             log.info("ledger: applied migration %s", entry.name)
 
@@ -207,7 +213,7 @@ class SqlLedger:
     ) -> Account:
         if balance < 0:
             raise InvalidRequestError("'balance' cannot be negative", param="balance")
-        acc = Account(account_id or new_id("acct"), name, balance, 0, False, time.time())
+        acc = Account(account_id or new_id("acct"), name, balance, 0, False, self.clock())
 
         def tx_fn(tx: Tx) -> Account:
             if tx.one("SELECT 1 FROM accounts WHERE id = ?", (acc.id,)) is not None:
@@ -248,7 +254,7 @@ class SqlLedger:
             tx.run("UPDATE accounts SET balance = balance + ? WHERE id = ?", (amount, account_id))
             tx.run(
                 "INSERT INTO credits (account_id, amount, created) VALUES (?, ?, ?)",
-                (account_id, amount, time.time()),
+                (account_id, amount, self.clock()),
             )
             return _account(
                 tx.one(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
@@ -261,7 +267,7 @@ class SqlLedger:
         self, account_id: str, *, rpm: int | None = None, tpm: int | None = None
     ) -> tuple[KeyInfo, str]:
         plaintext = new_key()
-        info = KeyInfo(new_id("key"), account_id, rpm, tpm, time.time(), None)
+        info = KeyInfo(new_id("key"), account_id, rpm, tpm, self.clock(), None)
 
         def tx_fn(tx: Tx) -> KeyInfo:
             if tx.one("SELECT 1 FROM accounts WHERE id = ?", (account_id,)) is None:
@@ -286,7 +292,7 @@ class SqlLedger:
         def tx_fn(tx: Tx) -> KeyInfo | None:
             tx.run(
                 "UPDATE api_keys SET revoked = ? WHERE id = ? AND revoked IS NULL",
-                (time.time(), key_id),
+                (self.clock(), key_id),
             )
             row = tx.one(f"SELECT {_KEY_COLS} FROM api_keys WHERE id = ?", (key_id,))
             return None if row is None else _key(row)
@@ -295,7 +301,7 @@ class SqlLedger:
 
     # -- holds and settlement -----------------------------------------------------
     async def hold(self, spec: HoldSpec) -> None:
-        await self._run(functools.partial(self._hold, spec, time.time()))
+        await self._run(functools.partial(self._hold, spec, self.clock()))
 
     def _hold(self, spec: HoldSpec, now: float, tx: Tx) -> None:
         row = tx.one(
@@ -435,7 +441,7 @@ class SqlLedger:
             )
         receipt = Receipt(
             request_id, account_id, key_id, deployment, prompt_tokens, completion_tokens,
-            amount, charged, finish_reason, float(created), time.time(),
+            amount, charged, finish_reason, float(created), self.clock(),
         )  # fmt: skip
         tx.run(
             f"INSERT INTO receipts ({_RECEIPT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -476,7 +482,7 @@ class SqlLedger:
 
     # -- liveness and the sweeper -------------------------------------------------
     async def heartbeat(self) -> None:
-        now = time.time()
+        now = self.clock()
         await self._run(
             lambda tx: tx.run(
                 "INSERT INTO gateways (id, heartbeat) VALUES (?, ?) "
@@ -487,7 +493,7 @@ class SqlLedger:
 
     async def sweep(self, stale_s: float) -> int:
         """Settle the holds of gateways silent for ``stale_s``: charge the prompt only."""
-        cutoff = time.time() - stale_s
+        cutoff = self.clock() - stale_s
         stale = await self._run(
             lambda tx: tx.all(
                 "SELECT h.request_id, h.prompt_tokens, h.min_charge FROM holds h "
@@ -508,7 +514,7 @@ class SqlLedger:
             if receipt is not None and receipt.finish_reason == "expired":
                 swept += 1
                 log.warning("ledger: settled hold %s of a dead gateway", request_id)
-        old_window = int(time.time() // RATE_WINDOW_S) - 1
+        old_window = int(self.clock() // RATE_WINDOW_S) - 1
 
         def tidy(tx: Tx) -> None:
             tx.run(
