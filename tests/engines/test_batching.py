@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import ServerProcess
+from tests.ledger.helpers import receipt
 from tests.sse import events
 from tests.waiting import HANG_S, wait_until
 
@@ -94,39 +95,48 @@ def test_prefix_reused_from_another_slot(start_server: Callable[..., ServerProce
     copied from a slot that is still running."""
     config = '[[deployments]]\nid = "smollm2"\nmax_num_seqs = 4\n'
     repeat = {"prompt": PREFIX + "Repeat the list: apple,", "max_tokens": 12, "temperature": 0}
-    story = {"prompt": PREFIX + "Now write a long story.", "max_tokens": 400, "stream": True}
-    story["ignore_eos"] = True
+    # No max_tokens and no end-of-sequence: the story fills the rest of its slot's
+    # window (some 1,900 tokens), far beyond the 12 tokens of the request that runs
+    # beside it. That it was still running when that request completed is asserted
+    # below, not assumed: it is closed only then, and its receipt says "abort".
+    story = {"prompt": PREFIX + "Now write a long story.", "stream": True, "ignore_eos": True}
 
     def complete(url: str) -> tuple[str, int]:
-        r = httpx.post(url + "/v1/completions", json=repeat, timeout=120)
+        r = httpx.post(url + "/v1/completions", json=repeat, timeout=HANG_S)
         assert r.status_code == 200, r.text
         body = r.json()
         return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    def while_a_story_runs(url: str) -> tuple[str, int]:
-        with httpx.Client(base_url=url, timeout=60) as c:
-            with c.stream("POST", "/v1/completions", json=story) as running:
-                lines = running.iter_lines()  # one iterator: dropping it closes the stream
-                next(line for line in lines if line.startswith("data: {"))
+    def while_a_story_runs(url: str, story_id: str) -> tuple[str, int]:
+        with httpx.Client(base_url=url, timeout=HANG_S) as c:
+            headers = {"x-request-id": story_id}
+            with c.stream("POST", "/v1/completions", json=story, headers=headers) as running:
+                stream = events(running)  # one iterator: dropping it closes the stream
+                assert isinstance(next(stream), dict)  # the story has its slot
                 out = complete(url)
-                assert next(line for line in lines if line.startswith("data: {"))
+                after = next(stream)
+                assert isinstance(after, dict) and "error" not in after, after
+            # The client left only after the other request had completed; had the
+            # story ended before, nothing would have been left to abort.
+            got = receipt(c, story_id)
+        assert got["finish_reason"] == "abort", got
         return out
 
     x = start_server(config=config)
     reference, cached = complete(x.url)  # the first request: nothing cached
     assert cached == 0
     assert reference.startswith(" river, candle, mountain"), reference
-    one = httpx.post(x.url + "/v1/completions", json={**repeat, "max_tokens": 1}, timeout=60)
+    one = httpx.post(x.url + "/v1/completions", json={**repeat, "max_tokens": 1}, timeout=HANG_S)
     n_prompt = one.json()["usage"]["prompt_tokens"]
     # The story takes the slot the list was cached in (it shares the prefix); the
     # cached request is parked in another slot and found there in full.
-    parked, cached = while_a_story_runs(x.url)
+    parked, cached = while_a_story_runs(x.url, "story-parks-the-list")
     assert cached == n_prompt - 1
     assert parked.startswith(" river, candle, mountain"), parked
 
     # On a fresh server only the running story's slot holds the prefix: it is copied.
     y = start_server(config=config)
-    copied, cached = while_a_story_runs(y.url)
+    copied, cached = while_a_story_runs(y.url, "story-lends-its-prefix")
     assert n_prompt - 12 < cached < n_prompt - 1
     assert copied.startswith(" river, candle, mountain"), copied
 
