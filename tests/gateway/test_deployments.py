@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,26 +70,26 @@ def client(gw: ServerProcess) -> Iterator[httpx.Client]:
 
 def signal_mid_stream(
     c: httpx.Client, body: dict[str, Any], pid: int, sig: signal.Signals
-) -> tuple[float, list[Event]]:
-    """Stream ``body``; at its first text send ``sig`` to ``pid``. Returns the seconds
-    from the signal to the end of the stream and the events after it."""
-    sent_at = 0.0
+) -> list[Event]:
+    """Stream ``body``; at its first text send ``sig`` to ``pid``. Returns the events
+    after the signal."""
+    sent = False
     tail: list[Event] = []
     try:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             for e in events(r):
-                if sent_at:
+                if sent:
                     tail.append(e)
                 elif isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]:
                     os.kill(pid, sig)
-                    sent_at = time.monotonic()
+                    sent = True
     finally:
         if sig == signal.SIGSTOP:  # never leave a stopped process behind a failure
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-    assert sent_at, "the stream ended before its first text"
-    return time.monotonic() - sent_at, tail
+    assert sent, "the stream ended before its first text"
+    return tail
 
 
 def describe(c: httpx.Client, dep: str) -> dict[str, Any]:
@@ -308,7 +307,7 @@ def test_sigkill_mid_stream_fails_fast_and_the_replica_restarts(client: httpx.Cl
         "temperature": 0,
         "stream": True,
     }
-    _, tail = signal_mid_stream(client, body, before["pid"], signal.SIGKILL)
+    tail = signal_mid_stream(client, body, before["pid"], signal.SIGKILL)
     assert tail[-1] == "[DONE]"
     errors = [e for e in tail if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error"
