@@ -372,20 +372,25 @@ def test_capacity_returns_after_end_error_and_disconnect(client: httpx.Client) -
 
 
 def test_overload_answers_only_200_or_429(client: httpx.Client) -> None:
+    # Three requests a slot (2 slots, a queue of 1) on the real model: every answer is
+    # a 200 with text or a 429 to retry, never an error. How many of each depends on
+    # how fast the machine serves them; that a burst's excess is refused, exactly, is
+    # shown with held slots in test_request_lifecycle.py.
     d = describe(client, "chatty")
     capacity = sum(r["slots"] for r in d["replicas"])
     n = 3 * capacity
     body = {"prompt": "Write a sentence about cats.", "max_tokens": 16, "temperature": 0}
 
     def call(_: int) -> httpx.Response:
-        with httpx.Client(base_url=client.base_url, timeout=120.0) as c:
+        with httpx.Client(base_url=client.base_url, timeout=HANG_S) as c:
             return c.post("/v1/deployments/chatty/predict", json=body)
 
     with ThreadPoolExecutor(n) as pool:
         results = list(pool.map(call, range(n)))
     codes = sorted(r.status_code for r in results)
     assert set(codes) <= {200, 429}, codes
-    assert codes.count(200) >= capacity and codes.count(429) >= 1, codes
+    # The first arrivals find free slots, whatever happens to the rest.
+    assert codes.count(200) >= capacity, codes
     for r in results:
         if r.status_code == 200:
             assert chat_text(r.json()).strip()

@@ -94,6 +94,57 @@ def test_full_queue_answers_429_with_retry_after(
     assert driver.seen("started", "refused") == 0
 
 
+def test_a_burst_past_slots_and_queue_refuses_exactly_the_excess(
+    driver: EngineDriver, start_server: Callable[..., ServerProcess]
+) -> None:
+    # Two slots and a queue of one, all held until the test lets go: of six requests
+    # sent at once, whatever order they arrive in, three get in and three are refused.
+    slots, queue, burst = 2, 1, 6
+    config = scripted_deployment(
+        driver, max_num_seqs=slots, max_queue=queue, queue_timeout_s=HANG_S
+    )
+    srv = start_server(config=config)
+    ids = [f"burst-{i}" for i in range(burst)]
+
+    def send(rid: str) -> httpx.Response:
+        return httpx.post(
+            srv.url + "/v1/completions",
+            json=body(2, stream=False),
+            headers=named(rid),
+            timeout=HANG_S,
+        )
+
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c, ThreadPoolExecutor(burst) as pool:
+        sent = {rid: pool.submit(send, rid) for rid in ids}
+        refused_count = burst - slots - queue
+        # Nothing admitted can answer before the test emits a token: whatever answered
+        # by now was refused at the door.
+        wait_until(
+            lambda: sum(f.done() for f in sent.values()) == refused_count,
+            f"{refused_count} requests to be refused",
+        )
+        refused = {rid: f.result() for rid, f in sent.items() if f.done()}
+        running = [driver.wait("started", count=i + 1)["id"] for i in range(slots)]
+        assert deployment(c)["queued"] == queue
+        for rid in running:
+            driver.emit(rid, 2)
+        waiting = driver.wait("started", count=slots + 1)["id"]
+        driver.emit(waiting, 2)
+        served = {rid: sent[rid].result(timeout=HANG_S) for rid in [*running, waiting]}
+    assert sorted([*refused, *served]) == ids
+    for r in refused.values():
+        assert r.status_code == 429, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "overloaded"
+    for r in served.values():
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+    # The refused never reached the engine; the queued one started after a slot freed.
+    assert all(driver.seen("started", rid) == 0 for rid in refused)
+    first_end = min(driver.index("ended", rid) for rid in running)
+    assert first_end < driver.index("started", waiting)
+
+
 def test_queue_timeout_answers_429_queue_timeout(
     driver: EngineDriver, start_server: Callable[..., ServerProcess]
 ) -> None:
