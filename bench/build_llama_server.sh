@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own `llama-server` from the llama.cpp source vendored in the pinned
 # llama-cpp-python sdist, so the benchmark compares against exactly the C++ code tokenmill
-# runs in-process. The binary is cached in .bench-cache/ (git-ignored); later runs skip the build.
+# runs in-process. The binary is cached in $BENCH_CACHE (default ~/.cache/tokenmill-bench,
+# shared by every clone on the machine, as pip's wheel cache is); later runs skip the build.
 # Prints the path of the binary on stdout (everything else goes to stderr).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-CACHE="${BENCH_CACHE:-.bench-cache}"
+CACHE="${BENCH_CACHE:-${HOME}/.cache/tokenmill-bench}"
 PY="${PYTHON:-.venv/bin/python}"
 SRC="$CACHE/llama_cpp_python-$VERSION"
 BUILD="$CACHE/llama-server-build-$VERSION"
