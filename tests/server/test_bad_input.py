@@ -13,6 +13,7 @@ from tests.conftest import ServerProcess
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
 
 
 def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
@@ -42,6 +43,13 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         (CHAT, {"messages": HI, "stream": "yes"}, "stream"),
+        # Found by the fuzzer: a content part that is not text was a 500.
+        (CHAT, {"messages": [{"role": "user", "content": [IMAGE]}]}, "messages.0.content.0.type"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages.0.content.0.text",
+        ),
         (COMPLETIONS, {"max_tokens": 5}, "prompt"),
         (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
         (COMPLETIONS, {"prompt": "x", "seed": 1.5}, "seed"),
@@ -117,3 +125,12 @@ def test_server_still_serves_after_bad_input(http: httpx.Client) -> None:
     for raw in (b"{", b"\xff\xfe", b'{"messages": 1}'):
         assert http.post(CHAT, content=raw).status_code == 400
     assert http.post(CHAT, json={"messages": HI, "max_tokens": 2}).status_code == 200
+
+
+def test_integral_floats_are_integers(http: httpx.Client) -> None:
+    # Found by the fuzzer: JSON Schema's "integer" includes 2.0, which was a 400.
+    r = http.post(CHAT, json={"messages": HI, "max_tokens": 2.0, "seed": 7.0, "n": 1.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
+    assert_error(http.post(CHAT, json={"messages": HI, "max_tokens": 2.5}), 400, "max_tokens")
+    assert_error(http.post(CHAT, json={"messages": HI, "max_tokens": True}), 400, "max_tokens")

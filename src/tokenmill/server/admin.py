@@ -6,36 +6,137 @@ routes only ever see the admin (or everyone, when the gateway runs open).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.errors import NotFoundError
 from tokenmill.gateway.metering import Caller
+from tokenmill.ledger.base import Account as LedgerAccount
 from tokenmill.ledger.base import KeyInfo, Receipt
 from tokenmill.ledger.sql import SqlLedger
+from tokenmill.server.openapi import errors, json_body, link
+from tokenmill.server.protocol import Int
 from tokenmill.server.routes import parse
 
 router = APIRouter()
+# The most receipts one usage page lists.
+MAX_USAGE_PAGE = 1000
+# One balance or credit of at most a billion currency units: more is a client's bug,
+# and sums stay far inside the ledger's 64-bit integer columns.
+MAX_MICRO_UNITS = 10**15
+# A per-minute limit above this limits nothing (leave it out); it also stays in 64 bits.
+MAX_PER_MINUTE = 10**12
+
+
+# As strict as the generation bodies: 5.0 is 5, but "5" and true are not numbers.
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class NewAccount(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     name: str = Field(min_length=1, max_length=200)
-    balance: int = Field(default=0, ge=0)
+    balance: Int = Field(default=0, ge=0, le=MAX_MICRO_UNITS, description="micro-units")
 
 
 class Credits(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    amount: int = Field(description="micro-units; negative to remove credit")
+    model_config = _STRICT
+    amount: Int = Field(
+        ge=-MAX_MICRO_UNITS,
+        le=MAX_MICRO_UNITS,
+        description="micro-units; negative to remove credit",
+    )
 
 
 class NewKey(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     account: str = Field(min_length=1)
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
+    rpm: Int | None = Field(default=None, ge=1, le=MAX_PER_MINUTE)
+    tpm: Int | None = Field(default=None, ge=1, le=MAX_PER_MINUTE)
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Account(_Response):
+    id: str
+    name: str
+    balance: int = Field(description="micro-units")
+    held: int = Field(description="micro-units held for requests still running")
+    unlimited: bool
+    created: float
+
+    @classmethod
+    def of(cls, acc: LedgerAccount) -> Account:
+        return cls(
+            id=acc.id,
+            name=acc.name,
+            balance=acc.balance,
+            held=acc.held,
+            unlimited=acc.unlimited,
+            created=acc.created,
+        )
+
+
+class ApiKey(_Response):
+    id: str
+    account: str
+    rpm: int | None
+    tpm: int | None
+    created: float
+    revoked: float | None
+
+    @classmethod
+    def of(cls, info: KeyInfo) -> ApiKey:
+        return cls(
+            id=info.id,
+            account=info.account_id,
+            rpm=info.rpm,
+            tpm=info.tpm,
+            created=info.created,
+            revoked=info.revoked,
+        )
+
+
+class NewApiKey(ApiKey):
+    key: str = Field(description="the key itself; it is never shown again")
+
+
+class UsageRecord(_Response):
+    request_id: str
+    account: str
+    key: str | None
+    deployment: str
+    prompt_tokens: int
+    completion_tokens: int
+    held: int
+    charged: int = Field(description="micro-units")
+    finish_reason: str
+    created: float
+    settled: float
+
+    @classmethod
+    def of(cls, r: Receipt) -> UsageRecord:
+        return cls(
+            request_id=r.request_id,
+            account=r.account_id,
+            key=r.key_id,
+            deployment=r.deployment,
+            prompt_tokens=r.prompt_tokens,
+            completion_tokens=r.completion_tokens,
+            held=r.held,
+            charged=r.charged,
+            finish_reason=r.finish_reason,
+            created=r.created,
+            settled=r.settled,
+        )
+
+
+class UsageRecordList(_Response):
+    object: Literal["list"]
+    data: list[UsageRecord]
 
 
 def ledger_of(request: Request) -> SqlLedger:
@@ -43,86 +144,82 @@ def ledger_of(request: Request) -> SqlLedger:
     return ledger
 
 
-def _key_json(info: KeyInfo) -> dict[str, Any]:
-    return {
-        "id": info.id,
-        "account": info.account_id,
-        "rpm": info.rpm,
-        "tpm": info.tpm,
-        "created": info.created,
-        "revoked": info.revoked,
-    }
-
-
-def usage_json(r: Receipt) -> dict[str, Any]:
-    return {
-        "request_id": r.request_id,
-        "account": r.account_id,
-        "key": r.key_id,
-        "deployment": r.deployment,
-        "prompt_tokens": r.prompt_tokens,
-        "completion_tokens": r.completion_tokens,
-        "held": r.held,
-        "charged": r.charged,
-        "finish_reason": r.finish_reason,
-        "created": r.created,
-        "settled": r.settled,
-    }
-
-
-async def _account_or_404(ledger: SqlLedger, account_id: str) -> dict[str, Any]:
+async def _account_or_404(ledger: SqlLedger, account_id: str) -> LedgerAccount:
     acc = await ledger.get_account(account_id)
     if acc is None:
         raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
-    return acc.to_json()
+    return acc
 
 
-@router.post("/admin/accounts")
-async def create_account(request: Request) -> dict[str, Any]:
+# What can be done with an account once it exists.
+_ACCOUNT = "$response.body#/id"
+ACCOUNT_LINKS = {
+    "get": link("get_account", account_id=_ACCOUNT),
+    "credit": link("add_credits", account_id=_ACCOUNT),
+    "usage": link("account_usage", account_id=_ACCOUNT),
+    "new_key": {"operationId": "create_key", "requestBody": {"account": _ACCOUNT}},
+}
+
+
+@router.post(
+    "/admin/accounts",
+    openapi_extra=json_body(NewAccount),
+    responses={200: {"links": ACCOUNT_LINKS}, **errors(400, 413)},
+)
+async def create_account(request: Request) -> Account:
     body = await parse(request, NewAccount)
-    acc = await ledger_of(request).create_account(body.name, body.balance)
-    return acc.to_json()
+    return Account.of(await ledger_of(request).create_account(body.name, body.balance))
 
 
-@router.get("/admin/accounts/{account_id}")
-async def get_account(request: Request, account_id: str) -> dict[str, Any]:
-    return await _account_or_404(ledger_of(request), account_id)
+@router.get("/admin/accounts/{account_id}", responses=errors(404))
+async def get_account(request: Request, account_id: str) -> Account:
+    return Account.of(await _account_or_404(ledger_of(request), account_id))
 
 
-@router.post("/admin/accounts/{account_id}/credits")
-async def add_credits(request: Request, account_id: str) -> dict[str, Any]:
+@router.post(
+    "/admin/accounts/{account_id}/credits",
+    openapi_extra=json_body(Credits),
+    responses={200: {"links": ACCOUNT_LINKS}, **errors(400, 404, 413)},
+)
+async def add_credits(request: Request, account_id: str) -> Account:
     body = await parse(request, Credits)
-    acc = await ledger_of(request).add_credits(account_id, body.amount)
-    return acc.to_json()
+    return Account.of(await ledger_of(request).add_credits(account_id, body.amount))
 
 
-@router.get("/admin/accounts/{account_id}/usage")
-async def account_usage(request: Request, account_id: str, limit: int = 100) -> dict[str, Any]:
+@router.get("/admin/accounts/{account_id}/usage", responses=errors(400, 404))
+async def account_usage(request: Request, account_id: str, limit: int = 100) -> UsageRecordList:
     ledger = ledger_of(request)
     await _account_or_404(ledger, account_id)
-    receipts = await ledger.usage(account_id, max(1, min(limit, 1000)))
-    return {"object": "list", "data": [usage_json(r) for r in receipts]}
+    receipts = await ledger.usage(account_id, max(1, min(limit, MAX_USAGE_PAGE)))
+    return UsageRecordList(object="list", data=[UsageRecord.of(r) for r in receipts])
 
 
-@router.post("/admin/keys")
-async def create_key(request: Request) -> dict[str, Any]:
+@router.post(
+    "/admin/keys",
+    openapi_extra=json_body(NewKey),
+    responses={
+        200: {"links": {"revoke": link("revoke_key", key_id="$response.body#/id")}},
+        **errors(400, 404, 413),
+    },
+)
+async def create_key(request: Request) -> NewApiKey:
     body = await parse(request, NewKey)
     info, plaintext = await ledger_of(request).create_key(body.account, rpm=body.rpm, tpm=body.tpm)
     # The only time the key's plain text exists outside the caller's hands.
-    return {**_key_json(info), "key": plaintext}
+    return NewApiKey(**ApiKey.of(info).model_dump(), key=plaintext)
 
 
-@router.delete("/admin/keys/{key_id}")
-async def revoke_key(request: Request, key_id: str) -> dict[str, Any]:
+@router.delete("/admin/keys/{key_id}", responses=errors(404))
+async def revoke_key(request: Request, key_id: str) -> ApiKey:
     info = await ledger_of(request).revoke_key(key_id)
     if info is None:
         raise NotFoundError(f"no key {key_id!r}", code="key_not_found")
     request.app.state.key_cache.forget(key_id)
-    return _key_json(info)
+    return ApiKey.of(info)
 
 
-@router.get("/v1/usage/{request_id}")
-async def usage(request: Request, request_id: str) -> dict[str, Any]:
+@router.get("/v1/usage/{request_id}", responses=errors(404))
+async def usage(request: Request, request_id: str) -> UsageRecord:
     caller: Caller = request.state.caller
     receipt = await ledger_of(request).receipt(request_id)
     open_gateway = request.app.state.settings.admin_key is None
@@ -135,4 +232,4 @@ async def usage(request: Request, request_id: str) -> dict[str, Any]:
             "(a request is listed once it has finished)",
             code="usage_not_found",
         )
-    return usage_json(receipt)
+    return UsageRecord.of(receipt)

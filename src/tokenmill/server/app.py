@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -32,7 +33,14 @@ from tokenmill.ledger.meter import LedgerMeter
 from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenmill.server.admin import router as admin_router
 from tokenmill.server.auth import Auth, KeyCache
-from tokenmill.server.errors import error_response, handle_tokenmill_error, handle_unexpected
+from tokenmill.server.errors import (
+    error_response,
+    from_validation_error,
+    handle_tokenmill_error,
+    handle_unexpected,
+)
+from tokenmill.server.openapi import document, json_response
+from tokenmill.server.protocol import Health, HealthDetail
 from tokenmill.server.routes import router
 
 log = logging.getLogger("tokenmill.server")
@@ -75,6 +83,20 @@ class RequestContext:
         await self.app(scope, receive, send_with_id)
 
 
+class TokenmillApp(FastAPI):
+    """FastAPI, serving the OpenAPI document of :mod:`tokenmill.server.openapi`."""
+
+    def __init__(self, settings: Settings, **kwargs: Any) -> None:
+        # Operation ids are the routes' function names: short, stable, and what links use.
+        super().__init__(generate_unique_id_function=lambda route: route.name, **kwargs)
+        self.api_keys = settings.admin_key is not None
+
+    def openapi(self) -> dict[str, Any]:
+        if not self.openapi_schema:
+            self.openapi_schema = document(self, api_keys=self.api_keys)
+        return self.openapi_schema
+
+
 def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     ledger = build_ledger(settings)
     meter = LedgerMeter(ledger, {d.id: d.price for d in settings.deployments})
@@ -104,8 +126,10 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
             await meter.close()
             await ledger.close()
 
-    app = FastAPI(
+    app = TokenmillApp(
+        settings,
         title="tokenmill",
+        summary="OpenAI-compatible LLM serving with token streaming, metered per token",
         lifespan=lifespan,
         docs_url="/docs",
         redoc_url=None,
@@ -135,7 +159,18 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
         body["error"]["type"] = "invalid_request_error"
         return JSONResponse(body, status_code=exc.status_code)
 
-    @app.get("/health")
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # A path or query parameter of the wrong type: the same 400 as a bad body field,
+        # naming the parameter without its place ("limit", not "query.limit").
+        errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in exc.errors()]
+        return error_response(from_validation_error(errors))
+
+    @app.get(
+        "/health",
+        response_model=Health,
+        responses={503: json_response(Health, "Loading, or a deployment failed to start")},
+    )
     async def health() -> JSONResponse:
         if app.state.load_error:
             return JSONResponse({"status": "failed"}, status_code=503)
@@ -146,8 +181,8 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/health")
-    async def health_detail() -> dict[str, Any]:
-        return {"ready": gw.ready, "deployments": gw.stats()}
+    async def health_detail() -> HealthDetail:
+        return HealthDetail.model_validate({"ready": gw.ready, "deployments": gw.stats()})
 
     if metrics is not None:
 

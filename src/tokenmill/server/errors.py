@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from pydantic import ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
@@ -23,8 +24,14 @@ def error_response(exc: TokenmillError) -> JSONResponse:
     return JSONResponse(exc.to_openai_body(), status_code=exc.status, headers=exc.headers())
 
 
-def from_validation_error(err: ValidationError) -> InvalidRequestError:
-    first = err.errors()[0]
+def from_validation_error(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError:
+    """A 400 naming the parameter of the first of pydantic's ``errors``.
+
+    A value that fits no member of a union (``content``: a string or a list of parts)
+    has an error per member; the deepest says most ("messages.0.content.0.type").
+    """
+    field = tuple(errors[0]["loc"])[:1]
+    first = max((e for e in errors if tuple(e["loc"])[:1] == field), key=lambda e: len(e["loc"]))
     param = error_param(tuple(first["loc"]))
     msg = first["msg"]
     if first["type"] == "missing":

@@ -1,4 +1,5 @@
-"""Wire models of the OpenAI-compatible API (requests only; responses are built as dicts).
+"""Wire models of the OpenAI-compatible API: the requests it validates, the responses
+it sends (which the OpenAPI document is built from).
 
 Validation errors raised here become 400s naming the parameter. Unknown fields are
 ignored, as OpenAI's clients send fields a given server may not know.
@@ -8,7 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from tokenmill.engines.base import ChatMessage, SamplingParams
 
@@ -20,21 +28,42 @@ DEFAULT_MAX_TOKENS = 256
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
+def _integral(value: Any) -> Any:
+    # JSON has one number type: 16.0 is the integer 16 to JSON Schema (and to a Python
+    # client that computed it), while 16.5, "16" and true are still refused.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _strings(*, min_items: int = 0, max_items: int) -> dict[str, Any]:
+    """The schema of a list the validators below limit with a message of their own."""
+    schema: dict[str, Any] = {"type": "array", "items": {"type": "string"}}
+    if min_items:
+        schema["minItems"] = min_items
+    return {**schema, "maxItems": max_items}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
-class _ContentPart(BaseModel):
+class ContentPart(BaseModel):
+    """A part of a message's content: text only (the models served read no images)."""
+
     model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[_ContentPart] | None = None
+    content: str | list[ContentPart] | None = None
 
     def to_chat_message(self) -> ChatMessage:
         content = self.content
@@ -43,12 +72,7 @@ class Message(BaseModel):
         elif isinstance(content, str):
             text = content
         else:
-            parts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise ValueError(f"content parts of type {part.type!r} are not supported")
-                parts.append(part.text)
-            text = "".join(parts)
+            text = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         return ChatMessage(role=role, content=text)
 
@@ -59,17 +83,22 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: Number = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Number = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: Int = Field(default=0, ge=0)
     min_p: Number = Field(default=0.0, ge=0.0, le=1.0)
     frequency_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
     presence_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: Number = Field(default=1.0, gt=0.0, le=2.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
+    stop: str | list[str] | None = Field(
+        default=None,
+        json_schema_extra={
+            "anyOf": [{"type": "string"}, _strings(max_items=MAX_STOP_STRINGS), {"type": "null"}]
+        },
+    )
+    seed: Int | None = None
+    n: Int = Field(default=1, json_schema_extra={"const": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
     chat_template: str | None = None
@@ -119,7 +148,7 @@ class SamplingFields(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatCompletionRequest:
@@ -129,7 +158,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] = Field()
+    prompt: str | list[str] = Field(
+        json_schema_extra={"anyOf": [{"type": "string"}, _strings(min_items=1, max_items=1)]}
+    )
     echo: bool = False
 
     @field_validator("prompt")
@@ -147,17 +178,24 @@ class CompletionRequest(SamplingFields):
 class PredictRequest(SamplingFields):
     """Body of the deployment predict endpoints: ``prompt`` or ``messages``."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
+
     prompt: str | None = None
-    messages: list[Message] | None = None
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     endpoint_type: Literal["chat", "completion"] | None = None
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> PredictRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of 'prompt' and 'messages'")
-        if self.messages is not None and not self.messages:
-            raise ValueError("'messages' must not be empty")
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
@@ -176,3 +214,160 @@ def error_param(loc: tuple[Any, ...]) -> str | None:
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
+
+
+# -- responses ------------------------------------------------------------------------
+# Declared for the OpenAPI document and checked against real responses by the tests.
+# The generation routes build these shapes as dicts (one per token on the hot path);
+# ``extra="forbid"`` makes the served schema say that nothing else is sent.
+
+PublicFinishReason = Literal["stop", "length", "error"]
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(_Response):
+    """OpenAI's error body: every 4xx and 5xx, and the in-band error event of a stream."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = Field(ge=0, description="prompt tokens served from the prefix cache")
+
+
+class CompletionUsage(_Response):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: PublicFinishReason | None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: PublicFinishReason | None
+
+
+class ChatCompletionChunk(_Response):
+    """One ``data:`` event of a chat stream; the last, with ``include_usage``, has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: CompletionUsage | None = None
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: PublicFinishReason | None
+
+
+class Completion(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+class CompletionChunk(_Response):
+    """One ``data:`` event of a completion stream (OpenAI names it ``text_completion`` too)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ReplicaInfo(BaseModel):
+    # The gateway describes itself; fields it adds later pass through.
+    model_config = ConfigDict(extra="allow")
+    index: int
+    pid: int | None
+    state: str
+    in_flight: int
+    queued: int
+    slots: int
+    restarts: int
+    tokens_generated: int
+
+
+class DeploymentInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["deployment"]
+    engine: str
+    endpoint_type: Literal["chat", "completion"]
+    in_flight: int
+    queued: int
+    replicas: list[ReplicaInfo]
+
+
+class DeploymentList(_Response):
+    object: Literal["list"]
+    data: list[DeploymentInfo]
+
+
+class Health(_Response):
+    status: Literal["ok", "loading", "draining", "failed"]
+
+
+class HealthDetail(_Response):
+    ready: bool
+    deployments: dict[str, DeploymentInfo]

@@ -17,9 +17,26 @@ from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableErro
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
 from tokenmill.server.errors import from_validation_error, read_body
+from tokenmill.server.openapi import (
+    USAGE_LINK,
+    any_of,
+    errors,
+    event_stream,
+    json_body,
+    json_response,
+    schema_of,
+)
 from tokenmill.server.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    Completion,
+    CompletionChunk,
     CompletionRequest,
+    DeploymentInfo,
+    DeploymentList,
+    ModelCard,
+    ModelList,
     PredictRequest,
     SamplingFields,
 )
@@ -59,7 +76,7 @@ async def parse(request: Request, model: type[M]) -> M:
             ) from None
         if any(err["type"] == "model_type" and not err["loc"] for err in e.errors()):
             raise InvalidRequestError("the request body must be a JSON object") from None
-        raise from_validation_error(e) from None
+        raise from_validation_error(e.errors()) from None
 
 
 async def respond(request: Request, gen: Generation, stream: bool) -> Response:
@@ -95,14 +112,41 @@ async def _generate(
     return await respond(request, gen, body.stream)
 
 
-@router.post("/v1/chat/completions")
+# What can go wrong with a generation request, before streaming begins.
+GENERATION_ERRORS = errors(400, 402, 403, 404, 413, 429, 502, 503)
+
+
+def _generated(
+    body: type[SamplingFields], json: type[BaseModel] | None, *events: type[BaseModel]
+) -> dict[str, Any]:
+    """The OpenAPI declarations of a generation route: its body and what it answers."""
+    content: dict[str, Any] = {}
+    if json is not None:
+        content["application/json"] = {"schema": schema_of(json, "serialization")}
+    content["text/event-stream"] = event_stream(*events)
+    description = "One JSON body, or with `stream` server-sent events ending `data: [DONE]`"
+    if json is None:
+        description = "Server-sent events ending with `data: [DONE]`"
+    return {
+        "openapi_extra": json_body(body),
+        "responses": {
+            200: {"description": description, "content": content, "links": USAGE_LINK},
+            **GENERATION_ERRORS,
+        },
+    }
+
+
+@router.post(
+    "/v1/chat/completions",
+    **_generated(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
+)
 async def chat_completions(request: Request) -> Response:
     body = await parse(request, ChatCompletionRequest)
     deployment = gateway_of(request).deployment(body.model)
     return await _generate(request, body, "chat", deployment, messages=body.messages)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", **_generated(CompletionRequest, Completion, CompletionChunk))
 async def completions(request: Request) -> Response:
     body = await parse(request, CompletionRequest)
     deployment = gateway_of(request).deployment(body.model)
@@ -142,42 +186,60 @@ def _deployment_or_404(gw: Gateway, deployment_id: str) -> Deployment:
         ) from None
 
 
-@router.post("/v1/deployments/{deployment_id}/predict")
+@router.post(
+    "/v1/deployments/{deployment_id}/predict",
+    openapi_extra=json_body(PredictRequest),
+    responses={
+        200: {
+            **json_response(
+                any_of(ChatCompletion, Completion),
+                "A chat or a text completion, by the deployment's `endpoint_type`",
+            ),
+            "links": USAGE_LINK,
+        },
+        **GENERATION_ERRORS,
+    },
+)
 async def predict(request: Request, deployment_id: str) -> Response:
     return await _predict(request, deployment_id, stream=False)
 
 
-@router.post("/v1/deployments/{deployment_id}/predictWithResponseStream")
+@router.post(
+    "/v1/deployments/{deployment_id}/predictWithResponseStream",
+    response_class=EventStreamResponse,
+    status_code=200,
+    **_generated(PredictRequest, None, ChatCompletionChunk, CompletionChunk),
+)
 async def predict_stream(request: Request, deployment_id: str) -> Response:
     return await _predict(request, deployment_id, stream=True)
 
 
+def _card(d: Deployment) -> ModelCard:
+    return ModelCard(id=d.id, object="model", created=d.created, owned_by="tokenmill")
+
+
 @router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
+async def models(request: Request) -> ModelList:
     gw: Gateway = request.app.state.gateway
-    return {
-        "object": "list",
-        "data": [
-            {"id": d.id, "object": "model", "created": d.created, "owned_by": "tokenmill"}
-            for d in gw.deployments.values()
-        ],
-    }
+    return ModelList(object="list", data=[_card(d) for d in gw.deployments.values()])
 
 
-@router.get("/v1/models/{model_id:path}")
-async def model(request: Request, model_id: str) -> dict[str, Any]:
+@router.get("/v1/models/{model_id:path}", responses=errors(404))
+async def model(request: Request, model_id: str) -> ModelCard:
     gw: Gateway = request.app.state.gateway
-    d = gw.deployment(model_id)
-    return {"id": d.id, "object": "model", "created": d.created, "owned_by": "tokenmill"}
+    return _card(gw.deployment(model_id))
 
 
 @router.get("/v1/deployments")
-async def deployments(request: Request) -> dict[str, Any]:
+async def deployments(request: Request) -> DeploymentList:
     gw: Gateway = request.app.state.gateway
-    return {"object": "list", "data": [d.describe() for d in gw.deployments.values()]}
+    return DeploymentList(
+        object="list",
+        data=[DeploymentInfo.model_validate(d.describe()) for d in gw.deployments.values()],
+    )
 
 
-@router.get("/v1/deployments/{deployment_id}")
-async def deployment(request: Request, deployment_id: str) -> dict[str, Any]:
+@router.get("/v1/deployments/{deployment_id}", responses=errors(404))
+async def deployment(request: Request, deployment_id: str) -> DeploymentInfo:
     gw: Gateway = request.app.state.gateway
-    return _deployment_or_404(gw, deployment_id).describe()
+    return DeploymentInfo.model_validate(_deployment_or_404(gw, deployment_id).describe())
