@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Iterator
 
@@ -11,7 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProcess
-from tests.waiting import wait_until
+from tests.sse import events, text, to_done
+from tests.sse import usage as sse_usage
+from tests.waiting import HANG_S, wait_until
 from tokenmill.config import Settings
 from tokenmill.gateway.core import Gateway
 from tokenmill.metrics import GatewayMetrics
@@ -89,13 +90,10 @@ def stream_chat(http: httpx.Client, body: dict[str, object]) -> tuple[int, dict[
     usage: dict[str, int] = {}
     with http.stream("POST", CHAT, json=body) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-            if event["choices"] and event["choices"][0]["delta"].get("content"):
+        for event in to_done(r):
+            assert "error" not in event, event
+            usage = sse_usage(event) or usage
+            if text(event):
                 frames += 1
     return frames, usage
 
@@ -175,16 +173,12 @@ def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> No
         "ignore_eos": True,
     }
     with (
-        httpx.Client(base_url=server.url, timeout=60) as c,
+        httpx.Client(base_url=server.url, timeout=HANG_S) as c,
         c.stream("POST", COMPLETIONS, json=body) as r,
     ):
-        seen = 0
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                assert "error" not in json.loads(line[6:]), line
-                seen += 1
-                if seen >= 4:
-                    break
+        stream = events(r)
+        seen = [next(stream) for _ in range(4)]
+        assert all(isinstance(e, dict) and "error" not in e for e in seen), seen
 
     def settled() -> bool:
         produced = engine_tokens(http) - engine_before
@@ -220,42 +214,38 @@ def test_load_gauges_and_overload(start_server: Callable[..., ServerProcess]) ->
     """One slot, a queue of one: running, waiting, queue time and 429s all show."""
     srv = start_server(
         config=f'[[deployments]]\nid = "{DEP}"\nmax_num_seqs = 1\nmax_queue = 1\n'
-        "queue_timeout_s = 120\n"
+        "queue_timeout_s = 600\n"
     )
     first_token = threading.Event()
     release = threading.Event()
     statuses: list[int] = []
 
     def long_stream() -> None:
-        body = {
-            "prompt": "Write a very long story.",
-            "max_tokens": 1500,
-            "stream": True,
-            "ignore_eos": True,
-        }
+        # No max_tokens, no end-of-sequence: it may fill the whole window, and runs on
+        # until the test has what it needs (its abort, asserted below, shows it did).
+        body = {"prompt": "Write a very long story.", "stream": True, "ignore_eos": True}
         with (
-            httpx.Client(base_url=srv.url, timeout=120) as c,
+            httpx.Client(base_url=srv.url, timeout=HANG_S) as c,
             c.stream("POST", COMPLETIONS, json=body) as r,
         ):
             # Hold the iterator: dropping it would close the connection at once.
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    first_token.set()
-                    break
-            release.wait(120)  # then leave: the server aborts the generation
-            del lines
+            stream = events(r)
+            first = next(stream)
+            assert isinstance(first, dict) and "error" not in first, first
+            first_token.set()
+            release.wait(HANG_S)  # then leave: the server aborts the generation
+            del stream
 
     def queued_request() -> None:
-        with httpx.Client(base_url=srv.url, timeout=120) as c:
+        with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
             r = c.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 4})
             statuses.append(r.status_code)
 
-    with httpx.Client(base_url=srv.url, timeout=120) as http:
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as http:
         running = threading.Thread(target=long_stream)
         running.start()
         try:
-            assert first_token.wait(60)
+            assert first_token.wait(HANG_S)
             queued = threading.Thread(target=queued_request)
             queued.start()
             wait_until(
@@ -274,8 +264,8 @@ def test_load_gauges_and_overload(start_server: Callable[..., ServerProcess]) ->
             assert refused.status_code == 429
         finally:
             release.set()
-            running.join(120)
-        queued.join(120)
+            running.join(HANG_S)
+        queued.join(HANG_S)
         assert statuses == [200]
 
         def counted() -> bool:
@@ -324,9 +314,7 @@ def test_metrics_off_serves_completions_and_404s_metrics(
         body = {"prompt": "Hello", "max_tokens": 8, "stream": True}
         with c.stream("POST", COMPLETIONS, json=body) as s:
             assert s.status_code == 200
-            events = [line for line in s.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]"
-        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+            chunks = to_done(s)
         assert any(choice["text"] for chunk in chunks for choice in chunk["choices"])
         r = c.get("/metrics")
         assert r.status_code == 404

@@ -24,6 +24,11 @@ from tests.ledger.helpers import (
     new_key,
     receipt,
 )
+from tests.sse import events, to_done
+from tests.sse import usage as sse_usage
+
+# Far more tokens than a client needs to read three events (the window holds 2,048).
+MANY_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +139,9 @@ def test_streamed_settles_exactly(metered: ServerProcess, adm: httpx.Client) -> 
     ):
         assert resp.status_code == 200
         rid = resp.headers["x-request-id"]
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                usage = event.get("usage") or usage
+        for event in to_done(resp):
+            assert "error" not in event, event
+            usage = sse_usage(event) or usage
     assert usage is not None
     with client_for(metered, key) as user:
         r = receipt(user, rid)
@@ -149,17 +153,19 @@ def test_streamed_settles_exactly(metered: ServerProcess, adm: httpx.Client) -> 
 def test_disconnect_settles_for_tokens_produced(metered: ServerProcess, adm: httpx.Client) -> None:
     acc = new_account(adm, "gone", 10**6)
     _, key = new_key(adm, acc)
+    # Without an end-of-sequence the answer runs to max_tokens, which the client
+    # leaving after three events cuts short, however slowly it reads them.
+    body = chat(MANY_TOKENS, stream=True) | {"ignore_eos": True}
     with client_for(metered, key) as user:
-        with user.stream("POST", "/v1/chat/completions", json=chat(400, stream=True)) as resp:
+        with user.stream("POST", "/v1/chat/completions", json=body) as resp:
             rid = resp.headers["x-request-id"]
-            seen = 0
-            for line in resp.iter_lines():
-                seen += line.startswith("data: {")
-                if seen >= 3:
-                    break  # leave mid-stream
+            stream = events(resp)
+            seen = [next(stream) for _ in range(3)]
+            assert all(isinstance(e, dict) and "error" not in e for e in seen), seen
+        # Left mid-stream.
         r = receipt(user, rid)
     assert r["finish_reason"] == "abort"
-    assert 2 <= r["completion_tokens"] < 400
+    assert 2 <= r["completion_tokens"] < MANY_TOKENS
     assert r["charged"] == expected_charge(r) < r["held"]
     state = account(adm, acc)
     assert (state["balance"], state["held"]) == (10**6 - r["charged"], 0)

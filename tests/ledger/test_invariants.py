@@ -70,6 +70,7 @@ from tests.ledger.helpers import (
     new_key,
     receipt,
 )
+from tests.sse import DONE, events
 from tests.waiting import wait_until
 from tokenmill.engines.base import GenerationRequest, SamplingParams
 from tokenmill.gateway.deployment import SCRIPTED_ENGINE
@@ -110,8 +111,9 @@ def _kill_a_busy_replica(adm: httpx.Client, go: threading.Event) -> dict[str, An
         return victim if ok else None
 
     victim = wait_until(busy, "a replica with 4 streams in flight")
-    killed_at = time.time()  # before the kill: whatever settled earlier was not cut by it
+    killed_from = time.time()  # before the kill: whatever settled earlier was not cut by it
     os.kill(victim["pid"], signal.SIGKILL)
+    killed_by = time.time()  # after it: however long the kill took, it was over by then
     # Between the death and the new child's ready frame the gateway still shows the
     # dead child's last published status, with pid None: that is P.
     last_published: int | None = None
@@ -129,14 +131,21 @@ def _kill_a_busy_replica(adm: httpx.Client, go: threading.Event) -> dict[str, An
     assert rep["restarts"] == victim["restarts"] + 1
     return {
         "index": victim["index"],
-        "killed_at": killed_at,
+        "killed_from": killed_from,
+        "killed_by": killed_by,
         "last_published": last_published,
         "restarts": rep["restarts"],
     }
 
 
-def _quiet_replicas(adm: httpx.Client) -> list[dict[str, Any]]:
-    """Replica snapshots once nothing runs and the children's counters stopped moving."""
+def _quiet_replicas(adm: httpx.Client, at_least: int = 0) -> list[dict[str, Any]]:
+    """Replica snapshots once nothing runs, the children's counters add up to
+    ``at_least`` and they stopped moving.
+
+    A child publishes its count a moment after its last step, and a slow machine can
+    make that moment longer than any pause between two snapshots: ``at_least`` (the
+    tokens already billed) is what the counts must reach before they are read.
+    """
     last: list[tuple[Any, ...]] = []
 
     def quiet() -> list[dict[str, Any]] | None:
@@ -144,8 +153,9 @@ def _quiet_replicas(adm: httpx.Client) -> list[dict[str, Any]]:
         reps = _replicas(adm)
         snap = [(r["pid"], r["state"], r["in_flight"], r["tokens_generated"]) for r in reps]
         idle = all(r["state"] == "ready" and r["in_flight"] == 0 for r in reps)
+        counted = sum(r["tokens_generated"] for r in reps) >= at_least
         same, last = snap == last, snap
-        return reps if idle and same else None
+        return reps if idle and counted and same else None
 
     # Compared 0.6 s apart, more than 2 status intervals (0.25 s): a changed counter shows.
     return wait_until(quiet, "the replicas to be idle with still counters", interval=0.6)
@@ -168,15 +178,13 @@ def _stream(
         if resp.status_code != 200:
             out["error"] = json.loads(resp.read())["error"]
             return out
-        events = 0
-        for line in resp.iter_lines():
-            if line == "data: [DONE]":
+        seen = 0
+        for event in events(resp):
+            if event == DONE:
                 out["done"] = True
                 continue
-            if not line.startswith("data: {"):
-                continue
-            events += 1
-            event = json.loads(line[6:])
+            assert isinstance(event, dict)
+            seen += 1
             if "error" in event:
                 assert out["error"] is None, event
                 out["error"] = event["error"]
@@ -185,7 +193,7 @@ def _stream(
             out["usage"] = event.get("usage") or out["usage"]
             if any(c["delta"].get("content") for c in event["choices"]):
                 out["content"] += 1
-            if leave_after is not None and events >= leave_after:
+            if leave_after is not None and seen >= leave_after:
                 out["left"] = True
                 break
     return out
@@ -260,8 +268,8 @@ def test_books_balance_under_load_with_a_replica_killed(loaded: ServerProcess) -
     assert any(r["left"] for r in first)
     with admin(loaded.url) as adm:
         receipts = _check_books(adm, keys, first)
-        calm = _quiet_replicas(adm)
-    billed = sum(x["completion_tokens"] for x in receipts.values())
+        billed = sum(x["completion_tokens"] for x in receipts.values())
+        calm = _quiet_replicas(adm, at_least=billed)
     assert billed == sum(r["tokens_generated"] for r in calm), (billed, calm)
     assert [r["pid"] for r in calm] == [r["pid"] for r in before]
 
@@ -298,14 +306,15 @@ def test_books_balance_under_load_with_a_replica_killed(loaded: ServerProcess) -
     counted = sum(r["tokens_generated"] for r in after)
     on_killed = billed - counted - calm[k]["tokens_generated"]  # in wave 2
     failed_billed = sum(receipts[r["request_id"]]["completion_tokens"] for r in failed)
-    # In flight at the kill: held before it (a 1 s margin: the child dies within a
-    # millisecond of killed_at, before a later request could produce a token) and
-    # settled after it.
-    t = killed["killed_at"]
+    # In flight at the kill: held before it was over (a 1 s margin: the child dies
+    # within a millisecond of it, before a later request could produce a token) and
+    # settled after it began.
     cut_at_kill = [
         x
         for x in receipts.values()
-        if x["finish_reason"] in ("error", "abort") and x["created"] < t + 1 and x["settled"] >= t
+        if x["finish_reason"] in ("error", "abort")
+        and x["created"] < killed["killed_by"] + 1
+        and x["settled"] >= killed["killed_from"]
     ]
     slack = sum(MAX_TOKENS - x["completion_tokens"] for x in cut_at_kill)
     published = killed["last_published"] - calm[k]["tokens_generated"]
