@@ -282,6 +282,7 @@ def test_upstream_disconnect_closes_the_upstream_request(
         "prompt": COUNTING,
         "max_tokens": 400,
         "temperature": 0,
+        "ignore_eos": True,  # still running when the client leaves, however fast
         "stream": True,
     }
     with client.stream("POST", "/v1/completions", json=body) as r:
@@ -329,7 +330,8 @@ def test_sigkill_mid_stream_fails_fast_and_the_replica_restarts(client: httpx.Cl
 def test_sigkill_during_a_non_streamed_request_is_a_502(client: httpx.Client) -> None:
     pid = describe(client, "texty")["replicas"][0]["pid"]
     pids = {r["pid"] for r in describe(client, "texty")["replicas"]}
-    body = {"prompt": COUNTING, "max_tokens": 400, "temperature": 0}
+    # No end-of-sequence: still running when the kill comes, however fast the model.
+    body = {"prompt": COUNTING, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(client.post, "/v1/deployments/texty/predict", json=body)
 
@@ -358,10 +360,9 @@ def test_capacity_returns_after_end_error_and_disconnect(client: httpx.Client) -
     r = client.post("/v1/completions", json={**body, "stream": False, "max_tokens": 600})
     assert r.status_code == 400
     wait_in_flight_zero(client, "chatty")
-    # disconnect mid-stream
-    with client.stream(
-        "POST", "/v1/completions", json={**body, "max_tokens": 400, "temperature": 0}
-    ) as r:
+    # disconnect mid-stream (no end-of-sequence: it still runs when the client leaves)
+    long = {**body, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with client.stream("POST", "/v1/completions", json=long) as r:
         # Keep the iterator referenced: a dropped generator closes the connection.
         stream = events(r)
         for e in stream:

