@@ -14,7 +14,7 @@ import pytest
 
 from tests.client.conftest import LONG_PROMPT, dead_upstream_config
 from tests.conftest import ServerProcess, free_port
-from tests.waiting import wait_until
+from tests.waiting import HANG_S, wait_until
 from tokenmill import (
     APIConnectionError,
     AsyncClient,
@@ -109,7 +109,7 @@ def test_429_then_retry_succeeds(
         logging.getLogger("tokenmill.client").addHandler(watcher)
 
         def free_slot() -> None:
-            refused.wait(60)
+            refused.wait(HANG_S)
             hold.close()
 
         closer = threading.Thread(target=free_slot)
@@ -132,9 +132,10 @@ def test_5xx_and_connect_errors_are_retried_until_the_server_is_up(
     caplog.set_level(logging.INFO, logger="tokenmill.client")
     srv = start_server(wait=False)
     with ThreadPoolExecutor(1) as pool:
-        # A patient client sent before the server listens...
+        # A patient client sent before the server listens (its retries wait at least
+        # 4 s each after the first few: 40 outlast any machine's start-up)...
         def patient() -> str:
-            with Client(srv.url, max_retries=12) as client:
+            with Client(srv.url, max_retries=40) as client:
                 return client.complete("Hi", max_tokens=2).text
 
         result = pool.submit(patient)
@@ -155,7 +156,7 @@ def test_5xx_and_connect_errors_are_retried_until_the_server_is_up(
                 return False
 
             wait_until(served, "the server to serve")
-        assert result.result(timeout=120)
+        assert result.result(timeout=HANG_S)
     assert seen == {"connect", "503"}
     retries = _retries(caplog)
     assert any("cannot reach" in m for m in retries)
@@ -238,7 +239,10 @@ def test_status_mapping_without_an_openai_body() -> None:
     assert isinstance(e, ServerError) and e.message == "<html>Bad Gateway</html>"
     e = status_error(401, b"")
     assert isinstance(e, AuthenticationError) and e.message == "HTTP 401"
-    when = email.utils.formatdate(time.time() + 30, usegmt=True)
-    e = status_error(429, b"{}", retry_after=when)
+    before = time.time()
+    due = int(before + 30)  # an HTTP date has whole seconds
+    e = status_error(429, b"{}", retry_after=email.utils.formatdate(due, usegmt=True))
+    after = time.time()
     assert isinstance(e, RateLimitError)
-    assert e.retry_after is not None and 25 < e.retry_after <= 30
+    # What was left until the date when it was parsed, however long that took.
+    assert e.retry_after is not None and due - after <= e.retry_after <= due - before
