@@ -16,6 +16,7 @@ from tokenmill.errors import (
     TokenmillError,
 )
 from tokenmill.server.protocol import error_param
+from tokenmill.server.refused import UNSUPPORTED
 
 log = logging.getLogger("tokenmill.server")
 
@@ -39,7 +40,8 @@ def from_validation_error(errors: Sequence[Mapping[str, Any]]) -> InvalidRequest
     elif msg.startswith("Value error, "):
         msg = msg.removeprefix("Value error, ")
     text = f"Invalid value for '{param}': {msg}" if param else f"Invalid request: {msg}"
-    return InvalidRequestError(text, param=param, code="invalid_value")
+    code = UNSUPPORTED if first["type"] == UNSUPPORTED else "invalid_value"
+    return InvalidRequestError(text, param=param, code=code)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:

@@ -1,8 +1,10 @@
 """Wire models of the OpenAI-compatible API: the requests it validates, the responses
 it sends (which the OpenAPI document is built from).
 
-Validation errors raised here become 400s naming the parameter. Unknown fields are
-ignored, as OpenAI's clients send fields a given server may not know.
+Validation errors raised here become 400s naming the parameter. A field of OpenAI's
+API that tokenmill does not implement is refused by name (``refused``); a field
+unknown to tokenmill is ignored, as OpenAI's clients send fields a given server may
+not know.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import (
 )
 
 from tokenmill.engines.base import ChatMessage, SamplingParams
+from tokenmill.server.refused import RefusedFields
 
 # A stop list longer than this is almost certainly a client bug, and each stop string
 # is checked on every token.
@@ -77,8 +80,11 @@ class Message(BaseModel):
         return ChatMessage(role=role, content=text)
 
 
-class SamplingFields(BaseModel):
-    """The sampling fields shared by every generation endpoint."""
+class SamplingFields(RefusedFields):
+    """The sampling fields shared by every generation endpoint.
+
+    The fields tokenmill does not implement are refused by name (see ``refused``).
+    """
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -161,7 +167,6 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] = Field(
         json_schema_extra={"anyOf": [{"type": "string"}, _strings(min_items=1, max_items=1)]}
     )
-    echo: bool = False
 
     @field_validator("prompt")
     @classmethod

@@ -1,0 +1,85 @@
+"""A field that would change the answer and that tokenmill does not implement is a 400
+naming it, on every generation endpoint; neutral values and no-op fields are served."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.server.test_bad_input import assert_error
+from tokenmill.server.refused import NO_OPS, REFUSED
+
+HI = [{"role": "user", "content": "hi"}]
+ENDPOINTS = [
+    ("/v1/chat/completions", {"messages": HI}),
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/deployments/smollm2/predict", {"prompt": "hi"}),
+    ("/v1/deployments/smollm2/predictWithResponseStream", {"messages": HI}),
+]
+# What a caller would really send; any other refused field gets an object it cannot mean.
+ASKS: dict[str, Any] = {
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "required",
+    "suffix": "the end",
+    "use_beam_search": True,
+    "typical_p": 0.5,
+    "skip_special_tokens": False,
+    "modalities": ["text", "audio"],
+}
+
+
+@pytest.mark.parametrize(("path", "base"), ENDPOINTS)
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_refused_field_is_400_naming_it(
+    http: httpx.Client, path: str, base: dict[str, Any], field: str
+) -> None:
+    value = ASKS.get(field, {"asked": 1})
+    err = assert_error(http.post(path, json={**base, "max_tokens": 1, field: value}), 400, field)
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == "unsupported_parameter"
+    assert "does not support" in err["message"]
+
+
+@pytest.mark.parametrize(("path", "base"), ENDPOINTS)
+def test_neutral_values_and_no_ops_are_served(
+    http: httpx.Client, path: str, base: dict[str, Any]
+) -> None:
+    neutral = {name: spec.neutral[0] for name, spec in REFUSED.items() if spec.neutral}
+    no_ops = dict.fromkeys(NO_OPS, "anything") | {"metadata": {"k": "v"}, "store": True}
+    body = {**base, "max_tokens": 1, **neutral, **no_ops, "user": "u-1", "nonsense": 1}
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+
+
+def test_json_true_is_not_a_neutral_one(http: httpx.Client) -> None:
+    # best_of 1 is neutral; JSON's true is not the number 1.
+    body = {"prompt": "hi", "max_tokens": 1, "best_of": True}
+    assert_error(http.post("/v1/completions", json=body), 400, "best_of")
+    assert http.post("/v1/completions", json={**body, "best_of": 1}).status_code == 200
+
+
+def test_the_openai_sdk_sees_the_refused_parameter(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model="smollm2",
+            messages=HI,  # type: ignore[arg-type]
+            max_tokens=4,
+            response_format={"type": "json_object"},
+        )
+    assert caught.value.param == "response_format"
+    assert caught.value.code == "unsupported_parameter"
+
+
+def test_schema_offers_only_neutral_values(http: httpx.Client) -> None:
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    for model in ("ChatCompletionRequest", "CompletionRequest", "PredictRequest"):
+        props = schemas[model]["properties"]
+        tools = props["tools"]["anyOf"]
+        assert {"type": "array", "maxItems": 0, "minItems": 0} in tools
+        assert set(REFUSED) <= set(props)
