@@ -5,6 +5,11 @@ gateway or in a replica process) connects to it when it starts. The driver recor
 the engines' events (``hello``, ``started``, ``aborted``, ``ended``, ``ignored``) in
 the order they arrive and sends commands to the engine serving a request. A test
 waits for an event, not for time: "r1 started", then "emit 3 tokens to r1".
+
+An engine finishes starting only when the driver answers its ``hello`` with ``go``.
+The driver answers at once, unless the test called :meth:`EngineDriver.hold_starts`:
+then a (re)starting replica stays loading until :meth:`EngineDriver.release_starts`,
+however long the test needs it down.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class EngineDriver:
         self._origin: list[socket.socket] = []  # the connection each event came on
         self._conns: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
+        self._holding = False
+        self._held: list[socket.socket] = []  # engines whose hello awaits go
         self._start(self._accept)
 
     def _start(self, target: Any, *args: Any) -> None:
@@ -58,12 +65,26 @@ class EngineDriver:
         with conn.makefile("rb") as lines:
             try:
                 for line in lines:
+                    event = json.loads(line)
+                    go = False
                     with self._changed:
-                        self.events.append(json.loads(line))
+                        self.events.append(event)
                         self._origin.append(conn)
+                        if event["event"] == "hello":
+                            if self._holding:
+                                self._held.append(conn)
+                            else:
+                                go = True
                         self._changed.notify_all()
+                    if go:
+                        self._go(conn)
             except OSError:  # closed by close()
                 return
+
+    @staticmethod
+    def _go(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):  # the engine may have died since its hello
+            conn.sendall(json.dumps({"op": "go"}).encode() + b"\n")
 
     def close(self) -> None:
         """Disconnect every engine (their running requests fail) and stop listening."""
@@ -124,6 +145,19 @@ class EngineDriver:
         return self.wait("started", rid)
 
     # -- commands -------------------------------------------------------------------
+
+    def hold_starts(self) -> None:
+        """From now on, an engine that says hello is not told ``go``: it stays loading."""
+        with self._changed:
+            self._holding = True
+
+    def release_starts(self) -> None:
+        """Tell every held engine ``go``, and stop holding the ones that come later."""
+        with self._changed:
+            self._holding = False
+            held, self._held = self._held, []
+        for conn in held:
+            self._go(conn)
 
     def _send(self, rid: str, command: dict[str, Any]) -> None:
         """Send to the engine that runs ``rid`` (waiting until it started)."""

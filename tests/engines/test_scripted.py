@@ -7,6 +7,7 @@ The driver blocks while it waits for an event, so here it waits in a thread
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncGenerator, AsyncIterator
 
 import pytest
@@ -150,3 +151,52 @@ async def test_start_without_a_driver_says_so() -> None:
     engine = ScriptedEngine("/nonexistent/control.sock")
     with pytest.raises(EngineError, match="cannot reach its driver"):
         await engine.start()
+
+
+async def test_a_held_start_waits_for_the_drivers_go(
+    driven: tuple[EngineDriver, ScriptedEngine],
+) -> None:
+    driver, _ = driven
+    driver.hold_starts()
+    held = ScriptedEngine(str(driver.path))
+    starting = asyncio.ensure_future(held.start())
+    try:
+        pid = (await asyncio.to_thread(driver.wait, "hello", count=2))["pid"]
+        # Connected and announced, but start() cannot return before go: not ready.
+        assert not starting.done() and not held.health().ready
+        driver.release_starts()
+        await starting
+        assert held.health().ready and pid == os.getpid()
+    finally:
+        starting.cancel()
+        await held.close()
+
+
+async def test_a_start_fails_when_the_driver_goes_before_go() -> None:
+    driver = EngineDriver()
+    driver.hold_starts()
+    engine = ScriptedEngine(str(driver.path))
+    starting = asyncio.ensure_future(engine.start())
+    await asyncio.to_thread(driver.wait, "hello")
+    await asyncio.to_thread(driver.close)
+    with pytest.raises(EngineError, match="went away before it said go"):
+        await starting
+    assert not engine.health().ready
+
+
+async def test_kv_cache_usage_counts_the_running_requests_tokens(
+    driven: tuple[EngineDriver, ScriptedEngine],
+) -> None:
+    driver, engine = driven
+    stream = engine.generate(request("kv", max_tokens=10))  # 3 prompt words
+    assert isinstance(stream, AsyncGenerator)
+    first = await started(driver, stream, "kv")
+    assert engine.health().kv_cache_usage == 3 / 64
+    driver.emit("kv", 5)
+    assert (await first).tokens == 1
+    for _ in range(4):
+        await anext(stream)
+    assert engine.health().kv_cache_usage == (3 + 5) / 64
+    driver.finish("kv")
+    assert [c.finish_reason async for c in stream] == ["stop"]
+    assert engine.health().kv_cache_usage == 0.0

@@ -20,7 +20,8 @@ Messages are JSON objects, one per line.
 
 Engine -> driver (events)::
 
-    {"event": "hello", "pid": P}                     connected; once per instance
+    {"event": "hello", "pid": P}                     connected; once per instance,
+                                                     then it waits for "go"
     {"event": "started", "id": R, "prompt": S, "prompt_tokens": N, "max_tokens": N}
     {"event": "aborted", "id": R, "tokens": N}       closed before it finished
     {"event": "ended", "id": R, "reason": "stop" | "length" | "error", "tokens": N}
@@ -28,6 +29,9 @@ Engine -> driver (events)::
 
 Driver -> engine (commands)::
 
+    {"op": "go"}                      the answer to hello: start() returns. Until then
+                                      the engine is not ready (a replica process stays
+                                      loading), so a test can hold a start or restart
     {"op": "emit", "id": R, "n": N}   N tokens, one chunk each (" w1", " w2", ...); at
                                       max_tokens the request finishes with "length"
     {"op": "finish", "id": R, "reason": "stop" | "length"}
@@ -38,7 +42,9 @@ Driver -> engine (commands)::
 
 A request with no command holds its slot: that is how a test keeps one busy. Prompt
 tokens are words: the prompt's (or the rendered messages') whitespace-separated
-words. When the driver goes away, every running request fails.
+words. The KV cache in use (``health().kv_cache_usage``) is the running requests'
+prompt and generated tokens over ``n_ctx``, as in one unified cache. When the driver
+goes away, every running request fails, and a start still waiting for ``go`` too.
 """
 
 from __future__ import annotations
@@ -109,12 +115,15 @@ class ScriptedEngine:
         self._left: Prepared[Usage] = Prepared()
         self._tokens_generated = 0
         self._starting = asyncio.Lock()
+        self._started = False
+        # Resolved by the driver's "go" (or failed when the driver goes away first).
+        self._go: asyncio.Future[None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
         async with self._starting:
-            if self._writer is not None:
+            if self._started:
                 return
             try:
                 reader, writer = await asyncio.open_unix_connection(self.control)
@@ -124,8 +133,15 @@ class ScriptedEngine:
                     "start the driver before the gateway"
                 ) from None
             self._writer = writer
+            self._go = asyncio.get_running_loop().create_future()
             self._send({"event": "hello", "pid": os.getpid()})
             self._commands = asyncio.create_task(self._read_commands(reader))
+            try:
+                await self._go
+            except BaseException:
+                await self.close()  # the next start() connects afresh
+                raise
+            self._started = True
 
     async def close(self) -> None:
         if self._commands is not None:
@@ -137,13 +153,16 @@ class ScriptedEngine:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        self._started = False
 
     def health(self) -> EngineHealth:
+        in_cache = sum(run.prompt_tokens + run.tokens for run in self._runs.values())
         return EngineHealth(
-            ready=self._writer is not None,
+            ready=self._started,
             slots=self.max_num_seqs,
             running=len(self._runs),
             tokens_generated=self._tokens_generated,
+            kv_cache_usage=min(1.0, in_cache / self.n_ctx),
         )
 
     # -- requests -----------------------------------------------------------------
@@ -235,6 +254,10 @@ class ScriptedEngine:
         while line := await reader.readline():
             command: dict[str, Any] = json.loads(line)
             op = command["op"]
+            if op == "go":
+                if self._go is not None and not self._go.done():
+                    self._go.set_result(None)
+                continue
             if op == "crash":
                 os._exit(int(command.get("code", 1)))
             if op == "stall":
@@ -245,6 +268,10 @@ class ScriptedEngine:
                 self._send({"event": "ignored", "id": command.get("id"), "op": op})
             else:
                 run.commands.put_nowait(command)
+        if self._go is not None and not self._go.done():
+            self._go.set_exception(
+                EngineError("the scripted engine's driver went away before it said go")
+            )
         self._fail_all("the scripted engine's driver went away")
 
     def _fail_all(self, message: str) -> None:
