@@ -4,7 +4,9 @@
   killed and restarted; its streams end with an error event and ``[DONE]``.
 - While the only replica restarts, its slots leave the admission pool: requests wait
   in the queue for it and succeed; one that waits out ``queue_timeout_s`` with no
-  replica back gets 503 with ``Retry-After``.
+  replica back gets 503 with ``Retry-After``. These run a scripted deployment whose
+  restart the test holds (:meth:`tests.driver.EngineDriver.hold_starts`), so the
+  replica is down exactly as long as the test needs.
 - An upstream that reports no usage is billed with the deployment's tokenizer.
 """
 
@@ -17,6 +19,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess, free_port, launch
+from tests.driver import EngineDriver, scripted_deployment
 from tests.gateway.no_usage_upstream import TEXT
 from tests.gateway.test_deployments import COUNTING, process_gone, signal_mid_stream
 from tests.sse import events
@@ -124,37 +128,84 @@ def test_a_wedged_replica_is_killed_and_restarted(probed: ServerProcess) -> None
     assert order == sorted(order), log
 
 
-def test_requests_wait_for_a_restarting_replica(probed: ServerProcess) -> None:
-    with httpx.Client(base_url=probed.url, timeout=60.0) as c:
-        before = wait_state(c, "probed", lambda rep: rep["state"] == "ready")
-        os.kill(before["pid"], signal.SIGKILL)
-        wait_state(c, "probed", lambda rep: rep["state"] != "ready")
-        # No replica now: before, this was an immediate 503; now it waits for the restart.
-        body = {"model": "probed", "prompt": COUNTING, "max_tokens": 4, "temperature": 0}
-        r = c.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"]
-        after = replica(c, "probed")
-        assert after["state"] == "ready" and after["pid"] != before["pid"]
+def kill_with_the_restart_held(driver: EngineDriver, c: httpx.Client) -> int:
+    """SIGKILL the scripted deployment's only replica with the driver holding starts.
+
+    Returns the dead process's pid once its successor said hello: the gateway has seen
+    the death, and the replica stays loading until ``driver.release_starts()``.
+    """
+    before = wait_state(c, "scripted", lambda rep: rep["state"] == "ready")
+    assert before["pid"] == driver.wait("hello")["pid"]
+    driver.hold_starts()
+    os.kill(before["pid"], signal.SIGKILL)
+    driver.wait("hello", count=2)
+    assert replica(c, "scripted")["state"] == "loading"
+    return int(before["pid"])
+
+
+def completion(rid: str) -> dict[str, Any]:
+    """A request for 2 tokens, and the headers naming it ``rid`` for the driver."""
+    return {
+        "url": "/v1/completions",
+        "json": {"model": "scripted", "prompt": "Say hi", "max_tokens": 2},
+        "headers": {"x-request-id": rid},
+    }
+
+
+def test_requests_wait_for_a_restarting_replica(
+    driver: EngineDriver, start_server: Callable[..., ServerProcess]
+) -> None:
+    # The queue timeout only stops a hang: the request is seen waiting in the queue
+    # while the restart is held, and served once the test lets the replica come back.
+    config = scripted_deployment(driver, max_num_seqs=1, queue_timeout_s=HANG_S)
+    srv = start_server(config=config)
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c, ThreadPoolExecutor(1) as pool:
+        dead = kill_with_the_restart_held(driver, c)
+        # No replica now: the request waits for the restart instead of failing.
+        waiting = pool.submit(c.post, **completion("patient"))
+        wait_until(
+            lambda: c.get("/v1/deployments/scripted").json()["queued"] == 1,
+            "the request to wait in the queue",
+        )
+        assert driver.seen("started", "patient") == 0
+        driver.release_starts()
+        driver.emit("patient", 2)  # once the new process started it
+        r = waiting.result(timeout=HANG_S)
+        after = replica(c, "scripted")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == " w1 w2"
+    assert after["state"] == "ready" and after["restarts"] == 1
+    assert after["pid"] == driver.wait("hello", count=2)["pid"] != dead
 
 
 def test_no_replica_back_within_the_queue_timeout_is_503(
-    start_server: Callable[..., ServerProcess],
+    driver: EngineDriver, start_server: Callable[..., ServerProcess]
 ) -> None:
-    # Restarts wait 0.5 s first: longer than this queue timeout.
-    srv = start_server(config=PROBED + "queue_timeout_s = 0.2\n")
-    with httpx.Client(base_url=srv.url, timeout=60.0) as c:
-        pid = replica(c, "probed")["pid"]
-        os.kill(pid, signal.SIGKILL)
-        wait_state(c, "probed", lambda rep: rep["state"] != "ready")
-        r = c.post("/v1/completions", json={"model": "probed", "prompt": "Hi", "max_tokens": 4})
+    # The restart is held until the answer came: the 0.2 s in the queue run out with
+    # no replica back, however slow the machine.
+    config = scripted_deployment(driver, max_num_seqs=1, queue_timeout_s=0.2)
+    srv = start_server(config=config)
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+        dead = kill_with_the_restart_held(driver, c)
+        r = c.post(**completion("early"))
         assert r.status_code == 503, r.text
         assert int(r.headers["retry-after"]) >= 1
         err = r.json()["error"]
-        assert err["type"] == "server_error" and "no replica" in err["message"]
-        wait_state(c, "probed", lambda rep: rep["state"] == "ready")
-        r = c.post("/v1/completions", json={"model": "probed", "prompt": "Hi", "max_tokens": 4})
-        assert r.status_code == 200, r.text
+        assert err["type"] == "server_error"
+        assert "no replica was ready to serve within 0.2s" in err["message"]
+        assert replica(c, "scripted")["state"] == "loading"  # still held
+        # Let the restart finish: service comes back.
+        driver.release_starts()
+        back = wait_state(c, "scripted", lambda rep: rep["state"] == "ready")
+        assert back["pid"] == driver.wait("hello", count=2)["pid"] != dead
+        assert back["restarts"] == 1
+        with ThreadPoolExecutor(1) as pool:
+            later = pool.submit(c.post, **completion("later"))
+            driver.emit("later", 2)
+            r = later.result(timeout=HANG_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    assert driver.seen("started", "early") == 0  # the refused request never ran
 
 
 # -- upstream token counting -------------------------------------------------------------
