@@ -10,10 +10,12 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from tests.client.conftest import LONG_PROMPT, dead_upstream_config
 from tests.conftest import ServerProcess, free_port
+from tests.driver import EngineDriver, scripted_deployment
 from tests.waiting import HANG_S, wait_until
 from tokenmill import (
     APIConnectionError,
@@ -38,15 +40,21 @@ def _retries(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "tokenmill.client"]
 
 
-class _OnRecord(logging.Handler):
-    """Sets an event when the client logs (it logs only before retrying)."""
+class _BeforeRetry(logging.Handler):
+    """Holds the client's retry until the test has done what must come first.
 
-    def __init__(self, event: threading.Event) -> None:
+    The client logs once per retry, in its own thread, just before it waits out the
+    delay and sends again: ``emit`` reports the refusal and blocks until ``go`` is set.
+    """
+
+    def __init__(self, refused: threading.Event, go: threading.Event) -> None:
         super().__init__(logging.INFO)
-        self.event = event
+        self.refused = refused
+        self.go = go
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.event.set()
+        self.refused.set()
+        self.go.wait(HANG_S)
 
 
 def test_not_found_is_typed_and_not_retried(
@@ -91,39 +99,66 @@ def test_body_too_large_is_a_bad_request(start_server: Start) -> None:
         assert "1024" in ei.value.message
 
 
+def in_flight(srv: ServerProcess) -> int:
+    r = httpx.get(f"{srv.url}/v1/deployments/scripted", timeout=HANG_S)
+    assert r.status_code == 200, r.text
+    return int(r.json()["in_flight"])
+
+
 def test_429_then_retry_succeeds(
-    overload_server: ServerProcess, caplog: pytest.LogCaptureFixture
+    driver: EngineDriver, start_server: Start, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # One slot and no queue, held by a scripted stream until the test frees it: the
+    # refusal, the freed slot and the retry come in that order, whatever the machine.
+    srv = start_server(config=scripted_deployment(driver, max_num_seqs=1, max_queue=0))
     caplog.set_level(logging.INFO, logger="tokenmill.client")
-    with Client(overload_server.url, max_retries=0) as holder:
-        hold = holder.chat(LONG_PROMPT, stream=True, max_tokens=1000, temperature=0.0)
-        assert next(hold).text  # the only slot is now taken
+    client_log = logging.getLogger("tokenmill.client")
+    with Client(srv.url, max_retries=0) as holder:
+        hold = holder.chat(LONG_PROMPT, model="scripted", stream=True, max_tokens=50)
+        assert hold.request_id is not None
+        driver.emit(hold.request_id, 1)
+        assert next(hold).text == " w1"  # the only slot is now taken
         with pytest.raises(RateLimitError) as ei:
-            holder.complete("Hi", max_tokens=2)
+            holder.complete("Hi", model="scripted", max_tokens=2)
         assert ei.value.status == 429
         assert ei.value.retry_after is not None and ei.value.retry_after >= 1
         assert _retries(caplog) == []  # max_retries=0: refused at once
-        # Free the slot once the retrying client was refused and waits out Retry-After.
-        refused = threading.Event()
-        watcher = _OnRecord(refused)
-        logging.getLogger("tokenmill.client").addHandler(watcher)
 
-        def free_slot() -> None:
-            refused.wait(HANG_S)
-            hold.close()
+        refused, freed = threading.Event(), threading.Event()
 
-        closer = threading.Thread(target=free_slot)
-        closer.start()
+        def free_slot_then_serve(rid: str) -> str:
+            """Once the retrying client was refused: free the slot before it retries,
+            then produce its answer."""
+            try:
+                assert refused.wait(HANG_S), "the retrying client was never refused"
+                hold.close()
+                assert driver.wait("aborted", rid)["tokens"] == 1
+                wait_until(lambda: in_flight(srv) == 0, "the holder's slot to be free")
+            finally:
+                freed.set()
+            retried = str(driver.wait("started", count=2)["id"])
+            driver.emit(retried, 4)
+            return retried
+
+        watcher = _BeforeRetry(refused, freed)
+        client_log.addHandler(watcher)
         try:
-            with Client(overload_server.url, max_retries=3) as client:
-                response = client.complete("Hi", max_tokens=4)
+            with ThreadPoolExecutor(1) as pool:
+                served = pool.submit(free_slot_then_serve, hold.request_id)
+                try:
+                    with Client(srv.url, max_retries=3) as client:
+                        response = client.complete("Hi", model="scripted", max_tokens=4)
+                finally:
+                    freed.set()  # never leave the client blocked in its log call
+                retried = served.result(timeout=HANG_S)
         finally:
-            refused.set()
-            closer.join()
-            logging.getLogger("tokenmill.client").removeHandler(watcher)
-    assert response.text and response.usage is not None
+            client_log.removeHandler(watcher)
+    assert response.text == " w1 w2 w3 w4" and response.usage is not None
+    assert response.request_id == retried
+    # Refused once, retried once into the freed slot.
     retries = _retries(caplog)
-    assert retries and "429" in retries[0]
+    assert len(retries) == 1 and "429" in retries[0], retries
+    assert driver.seen("started") == 2  # the holder and the retry: no refusal ran
 
 
 def test_5xx_and_connect_errors_are_retried_until_the_server_is_up(
