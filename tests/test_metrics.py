@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ServerProcess
+from tests.driver import EngineDriver, scripted_deployment
 from tests.sse import events, text, to_done
 from tests.sse import usage as sse_usage
 from tests.waiting import HANG_S, wait_until
@@ -210,84 +211,70 @@ def test_refused_requests_are_counted_by_code(http: httpx.Client) -> None:
     assert val(after, name, code=code) - val(before, name, code=code) == 1
 
 
-def test_load_gauges_and_overload(start_server: Callable[..., ServerProcess]) -> None:
-    """One slot, a queue of one: running, waiting, queue time and 429s all show."""
-    srv = start_server(
-        config=f'[[deployments]]\nid = "{DEP}"\nmax_num_seqs = 1\nmax_queue = 1\n'
-        "queue_timeout_s = 600\n"
-    )
-    first_token = threading.Event()
-    release = threading.Event()
-    statuses: list[int] = []
+def test_load_gauges_and_overload(
+    driver: EngineDriver, start_server: Callable[..., ServerProcess]
+) -> None:
+    """One slot, a queue of one: running, waiting, KV cache, queue time and 429s show.
 
-    def long_stream() -> None:
-        # No max_tokens, no end-of-sequence: it may fill the whole window, and runs on
-        # until the test has what it needs (its abort, asserted below, shows it did).
-        body = {"prompt": "Write a very long story.", "stream": True, "ignore_eos": True}
-        with (
-            httpx.Client(base_url=srv.url, timeout=HANG_S) as c,
-            c.stream("POST", COMPLETIONS, json=body) as r,
-        ):
+    A scripted deployment: the long stream holds its slot until the test leaves it,
+    however many calls the test makes meanwhile.
+    """
+    # The scripted engine's KV usage: the running requests' words and tokens over n_ctx.
+    n_ctx, prompt, emitted = 64, "Write a very long story.", 3
+    config = scripted_deployment(
+        driver, id=DEP, max_num_seqs=1, max_queue=1, queue_timeout_s=HANG_S, n_ctx=n_ctx
+    )
+    srv = start_server(config=config)
+    long_body = {"model": DEP, "prompt": prompt, "max_tokens": 50, "stream": True}
+    queued_body = {"model": DEP, "prompt": "Hello", "max_tokens": 4}
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as http, ThreadPoolExecutor(1) as pool:
+        with http.stream(
+            "POST", COMPLETIONS, json=long_body, headers={"x-request-id": "long"}
+        ) as r:
             # Hold the iterator: dropping it would close the connection at once.
             stream = events(r)
-            first = next(stream)
-            assert isinstance(first, dict) and "error" not in first, first
-            first_token.set()
-            release.wait(HANG_S)  # then leave: the server aborts the generation
-            del stream
-
-    def queued_request() -> None:
-        with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
-            r = c.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 4})
-            statuses.append(r.status_code)
-
-    with httpx.Client(base_url=srv.url, timeout=HANG_S) as http:
-        running = threading.Thread(target=long_stream)
-        running.start()
-        try:
-            assert first_token.wait(HANG_S)
-            queued = threading.Thread(target=queued_request)
-            queued.start()
+            driver.emit("long", emitted)
+            got = [text(next(stream)) for _ in range(emitted)]
+            assert got == [" w1", " w2", " w3"], got
+            queued = pool.submit(
+                http.post, COMPLETIONS, json=queued_body, headers={"x-request-id": "queued"}
+            )
             wait_until(
                 lambda: http.get(f"/v1/deployments/{DEP}").json()["queued"] == 1,
                 "the second request to queue",
             )
-
-            # The engine gauges come from the replica's status, pushed every 0.25 s.
-            def shows_running() -> Samples | None:
-                samples = scrape(http)
-                return samples if val(samples, "tokenmill_num_requests_running") else None
-
-            during = wait_until(shows_running, "the running gauge to show the stream")
+            # The engine gauges come from the replica's status, pushed when it changes:
+            # once it shows the 3 tokens, it stays put until the test acts again.
+            wait_engine_tokens(http, emitted)
+            during = scrape(http)
             # The slot is taken and the queue is full: a third request is refused.
-            refused = http.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2})
-            assert refused.status_code == 429
-        finally:
-            release.set()
-            running.join(HANG_S)
-        queued.join(HANG_S)
-        assert statuses == [200]
+            refused = http.post(COMPLETIONS, json={"model": DEP, "prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 429, refused.text
+        # The stream's client left: the server aborts it, and the queued one gets the slot.
+        assert driver.wait("aborted", "long")["tokens"] == emitted
+        driver.emit("queued", 4)
+        answer = queued.result(timeout=HANG_S)
+        assert answer.status_code == 200, answer.text
+        produced = emitted + 4
 
-        def counted() -> bool:
+        def counted() -> Samples | None:
             after = scrape(http)
-            return val(after, "tokenmill_generation_tokens_total") == engine_tokens(http) and (
-                val(after, "tokenmill_request_success_total", finished_reason="abort") == 1
-            )
+            both = val(after, "tokenmill_generation_tokens_total") == engine_tokens(http)
+            return after if both and val(after, "tokenmill_num_requests_running") == 0 else None
 
-        wait_until(counted, "the aborted stream's tokens to be counted on both sides")
-        after = scrape(http)
-        produced = engine_tokens(http)
+        after = wait_until(counted, "both streams' tokens to be counted on both sides")
+        assert engine_tokens(http) == produced
+    assert driver.index("ended", "queued") > driver.index("aborted", "long")
     assert val(during, "tokenmill_num_requests_running") == 1
     assert val(during, "tokenmill_num_requests_waiting") == 1
-    assert 0 < val(during, "tokenmill_kv_cache_usage_perc") <= 1
+    assert val(during, "tokenmill_kv_cache_usage_perc") == (len(prompt.split()) + emitted) / n_ctx
     assert val(after, "tokenmill_request_errors_total", code="overloaded") == 1
     assert val(after, "tokenmill_request_queue_time_seconds_count") == 2
     # The queued request's wait was measured (how long it was is up to the machine).
     assert val(after, "tokenmill_request_queue_time_seconds_sum") > 0
-    assert val(after, "tokenmill_num_requests_running") == 0
     assert val(after, "tokenmill_num_requests_waiting") == 0
     assert val(after, "tokenmill_request_success_total", finished_reason="abort") == 1
-    assert produced > 0
+    assert val(after, "tokenmill_request_success_total", finished_reason="length") == 1
     assert val(after, "tokenmill_generation_tokens_total") == produced
 
 
