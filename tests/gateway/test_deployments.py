@@ -274,6 +274,21 @@ def test_upstream_predict_and_errors(client: httpx.Client) -> None:
     assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_upstream_gets_the_fields_it_supports_and_names_what_it_refuses(
+    client: httpx.Client,
+) -> None:
+    # 29106 is " zebra" in SmolLM2's vocabulary (tests/server/test_logit_bias.py).
+    body = {"model": "remote", "prompt": "An animal:", "max_tokens": 2}
+    r = client.post("/v1/completions", json={**body, "logit_bias": {"29106": 100}})
+    assert r.status_code == 200, r.text
+    assert completion_text(r.json()) == " zebra zebra"
+    # The upstream refuses a token past its vocabulary: its 400, naming the field.
+    r = client.post("/v1/completions", json={**body, "logit_bias": {"999999": 1}})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "logit_bias"
+    assert "the upstream refused" in r.json()["error"]["message"]
+
+
 def test_upstream_disconnect_closes_the_upstream_request(
     client: httpx.Client, http: httpx.Client
 ) -> None:

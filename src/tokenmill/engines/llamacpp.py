@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import random
 import threading
 import time
@@ -65,6 +66,8 @@ KV_COPY_MIN_TOKENS = 4
 PENALTY_LAST_N = 64
 # An abort is answered within one decode step; this only guards against a wedged loop.
 ABORT_WAIT_S = 10.0
+# OpenAI's range of logit_bias values; its lower end bans the token.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(slots=True)
@@ -225,6 +228,14 @@ class LlamaCppEngine:
         return PromptInfo(prompt_tokens=len(tokens), context_length=self.n_ctx_seq)
 
     def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        n_vocab = self.vocab.n_tokens
+        for token, _ in request.sampling.logit_bias:
+            if not 0 <= token < n_vocab:
+                raise InvalidRequestError(
+                    f"logit_bias names token {token}; this model's token ids are 0 to "
+                    f"{n_vocab - 1}",
+                    param="logit_bias",
+                )
         tokens = self.vocab.tokenize(self.vocab.render(request))
         if not tokens:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -494,6 +505,19 @@ class LlamaCppEngine:
         sparams.no_perf = True
         chain = ll.llama_sampler_chain_init(sparams)
         add = ll.llama_sampler_chain_add
+        if p.logit_bias:
+            # First, as OpenAI applies it to the logits themselves. -100 is a ban: a
+            # finite bias can lose to a logit past 100.
+            biases = (ll.llama_logit_bias * len(p.logit_bias))(
+                *(
+                    ll.llama_logit_bias(token, -math.inf if bias <= -MAX_LOGIT_BIAS else bias)
+                    for token, bias in p.logit_bias
+                )
+            )
+            add(
+                chain,
+                ll.llama_sampler_init_logit_bias(self.vocab.n_tokens, len(biases), biases),
+            )
         if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
             add(
                 chain,

@@ -211,6 +211,9 @@ class UpstreamEngine:
             body["repetition_penalty"] = s.repetition_penalty
         if s.ignore_eos:
             body["ignore_eos"] = True
+        # OpenAI's own fields: an upstream that lacks one refuses it, naming it.
+        if s.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
         if request.messages is not None:
             body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
             return "/chat/completions", body

@@ -108,6 +108,7 @@ def encode_request(r: GenerationRequest) -> dict[str, Any]:
 def decode_request(d: dict[str, Any]) -> GenerationRequest:
     s = dict(d["s"])
     s["stop"] = tuple(s["stop"])
+    s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
     messages = d["m"]
     return GenerationRequest(
         request_id=d["id"],

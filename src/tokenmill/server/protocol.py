@@ -27,6 +27,10 @@ from tokenmill.server.refused import RefusedFields
 # is checked on every token.
 MAX_STOP_STRINGS = 16
 DEFAULT_MAX_TOKENS = 256
+# OpenAI's limits on logit_bias: a bias per token in [-100, 100], 300 tokens at most
+# (each is a sampler entry of every step).
+MAX_LOGIT_BIAS = 100
+MAX_LOGIT_BIAS_TOKENS = 300
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -104,6 +108,25 @@ class SamplingFields(RefusedFields):
         },
     )
     seed: Int | None = None
+    logit_bias: dict[str, Number] | None = Field(
+        default=None,
+        description="token id -> bias added to its logit, -100 (a ban) to 100",
+        json_schema_extra={
+            "anyOf": [
+                {
+                    "type": "object",
+                    "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                    "additionalProperties": {
+                        "type": "number",
+                        "minimum": -MAX_LOGIT_BIAS,
+                        "maximum": MAX_LOGIT_BIAS,
+                    },
+                    "maxProperties": MAX_LOGIT_BIAS_TOKENS,
+                },
+                {"type": "null"},
+            ]
+        },
+    )
     n: Int = Field(default=1, json_schema_extra={"const": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -116,6 +139,23 @@ class SamplingFields(RefusedFields):
     def _only_one_choice(cls, v: int) -> int:
         if v != 1:
             raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} tokens may be biased")
+        for token, bias in v.items():
+            if not (token.isascii() and token.isdigit() and len(token) <= 9):
+                raise ValueError(f"keys are token ids (0, 1, 2...), not {token!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"the bias of token {token} is {bias}; biases are "
+                    f"{-MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS}"
+                )
         return v
 
     @field_validator("stop")
@@ -149,6 +189,7 @@ class SamplingFields(RefusedFields):
             stop=stop,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
         )
 
 

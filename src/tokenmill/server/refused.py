@@ -72,7 +72,6 @@ def _const_schema(value: Any) -> dict[str, Any]:
 
 # The fields of every generation endpoint that tokenmill refuses unless neutral.
 REFUSED: dict[str, Refused] = {
-    "logit_bias": Refused("logit biases", ({},)),
     "logprobs": Refused("log probabilities", (False,)),
     "top_logprobs": Refused("log probabilities", (0,)),
     "echo": Refused("echoing the prompt", (False,)),
@@ -137,7 +136,6 @@ def _refused_field(name: str) -> Any:
 class RefusedFields(BaseModel):
     """The refused fields, declared so that the schema and the 400s name them."""
 
-    logit_bias: Any = _refused_field("logit_bias")
     logprobs: Any = _refused_field("logprobs")
     top_logprobs: Any = _refused_field("top_logprobs")
     echo: Any = _refused_field("echo")
