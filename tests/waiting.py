@@ -22,17 +22,24 @@ POLL_S = 0.02
 
 
 def wait_until(
-    check: Callable[[], T], what: str, *, timeout: float = HANG_S, interval: float = POLL_S
+    check: Callable[[], T | None],
+    what: str,
+    *,
+    timeout: float = HANG_S,
+    interval: float = POLL_S,
 ) -> T:
     """Call ``check`` until it returns something truthy, and return that.
 
-    ``what`` names the awaited condition for the failure message, which also shows
-    the last value ``check`` returned.
+    ``check`` may return None for "not yet": what comes back is never None, and is
+    typed so (a ``dict | None`` check gives a ``dict``). ``what`` names the awaited
+    condition for the failure message, which also shows the last value ``check``
+    returned.
     """
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
+            assert value is not None  # for the type checker: truthy is never None
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up after {timeout:g}s waiting for {what}; last: {value!r}")

@@ -148,7 +148,7 @@ async def test_the_admin_key_is_compared_as_digests_in_constant_time(
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
+    monkeypatch.setattr(hmac, "compare_digest", spy)  # the module auth calls
     ledger = ledger_from_url(f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
     await ledger.open()
     try:

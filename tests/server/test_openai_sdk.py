@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.conftest import ServerProcess
 
-MESSAGES = [{"role": "user", "content": "Name a colour."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def aclient(server: ServerProcess) -> openai.AsyncOpenAI:
 
 
 def test_chat_non_streamed(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8)  # type: ignore[arg-type]
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8)
     assert r.object == "chat.completion"
     assert r.model == "smollm2"
     assert r.choices[0].message.role == "assistant"
@@ -35,7 +36,7 @@ def test_chat_non_streamed(client: openai.OpenAI) -> None:
 def test_chat_streamed_with_usage(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model="smollm2",
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=12,
         stream=True,
         stream_options={"include_usage": True},
@@ -60,7 +61,7 @@ def test_stream_without_usage_has_none(client: openai.OpenAI) -> None:
             model="smollm2",
             messages=MESSAGES,
             max_tokens=4,
-            stream=True,  # type: ignore[arg-type]
+            stream=True,
         )
     )
     assert all(c.usage is None for c in chunks)
@@ -91,12 +92,12 @@ async def test_async_chat_streamed_and_not(aclient: openai.AsyncOpenAI) -> None:
         model="smollm2",
         messages=MESSAGES,
         max_tokens=6,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
     )
     text = r.choices[0].message.content
     stream = await aclient.chat.completions.create(
         model="smollm2",
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=6,
         temperature=0,
         stream=True,
@@ -109,8 +110,8 @@ async def test_async_chat_streamed_and_not(aclient: openai.AsyncOpenAI) -> None:
 
 def test_errors_are_openai_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as nf:
-        client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=4)  # type: ignore[arg-type]
+        client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=4)
     assert "nope" in nf.value.message
     with pytest.raises(openai.BadRequestError) as br:
-        client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4, n=2)  # type: ignore[arg-type]
-    assert br.value.body is not None and br.value.param == "n"  # type: ignore[attr-defined]
+        client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4, n=2)
+    assert br.value.body is not None and br.value.param == "n"

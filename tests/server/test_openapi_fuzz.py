@@ -24,6 +24,8 @@ import schemathesis
 from hypothesis import HealthCheck, given
 from schemathesis import Case, GenerationMode, Response
 from schemathesis.checks import CheckFunction, not_a_server_error
+from schemathesis.core.errors import InvalidSchema
+from schemathesis.core.result import Err, Ok
 from schemathesis.schemas import APIOperation, BaseSchema
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -46,6 +48,10 @@ NEGATIVE_EXAMPLES = 10
 STATEFUL_EXAMPLES = 15
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/predict")
 DEPLOYMENT = "smollm2"
+
+# Schemathesis's generics, over whatever kind of schema was loaded.
+Operation = APIOperation[Any, Any, Any, Any]
+AnyCase = Case[Operation]
 
 CHECKS: list[CheckFunction] = [
     not_a_server_error,
@@ -99,7 +105,7 @@ def api(gateway: ServerProcess) -> BaseSchema:
     return schemathesis.openapi.from_url(f"{gateway.url}/openapi.json", config=config)
 
 
-def shape_generation(case: Case) -> None:
+def shape_generation(case: AnyCase) -> None:
     """Keep a generation short, and send most of them to the model that is served.
 
     Any positive ``max_tokens`` is valid and an invalid one stays invalid under ``min``
@@ -116,12 +122,12 @@ def shape_generation(case: Case) -> None:
     if not isinstance(body, dict):
         return
     for field in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(field), int):
-            body[field] = min(body[field], FUZZ_MAX_TOKENS)
+        if isinstance(limit := body.get(field), int):
+            body[field] = min(limit, FUZZ_MAX_TOKENS)
     if body.get("max_tokens") is None:
         body["max_tokens"] = FUZZ_MAX_TOKENS
-    if isinstance(body.get("model"), str):
-        body["model"] = _mostly_served(body["model"])
+    if isinstance(model := body.get("model"), str):
+        body["model"] = _mostly_served(model)
 
 
 def _mostly_served(name: str) -> str:
@@ -130,8 +136,14 @@ def _mostly_served(name: str) -> str:
     return name if len(name) % 4 == 0 else DEPLOYMENT
 
 
+def loaded(result: Ok[Operation] | Err[InvalidSchema]) -> Operation:
+    """An operation of the document; one the loader could not read fails the test."""
+    assert isinstance(result, Ok), f"/openapi.json has an unreadable operation: {result.err()}"
+    return result.ok()
+
+
 def run_operation(
-    operation: APIOperation,
+    operation: Operation,
     mode: GenerationMode,
     examples: int,
     statuses: Counter[int],
@@ -142,7 +154,7 @@ def run_operation(
 
     @_settings(examples)
     @given(case=strategy)
-    def fuzz(case: Case) -> None:
+    def fuzz(case: AnyCase) -> None:
         shape_generation(case)
         response = case.call_and_validate(headers=auth, checks=CHECKS, timeout=CALL_TIMEOUT_S)
         statuses[response.status_code] += 1
@@ -157,7 +169,7 @@ def run_operation(
 def test_every_route_conforms_to_the_served_schema(
     api: BaseSchema, user_key: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    operations = [result.ok() for result in api.get_all_operations()]
+    operations = [loaded(result) for result in api.get_all_operations()]
     labels = {op.label for op in operations}
     # Every route of the API is in the document (the playground and /metrics are not).
     assert "POST /v1/chat/completions" in labels and "GET /v1/usage/{request_id}" in labels
@@ -190,20 +202,20 @@ def test_linked_calls_conform_to_the_served_schema(
     class Scenarios(api.as_state_machine()):  # type: ignore[misc]
         """Chains of calls along the document's links, with the admin key."""
 
-        def get_call_kwargs(self, case: Case) -> dict[str, Any]:
+        def get_call_kwargs(self, case: AnyCase) -> dict[str, Any]:
             return {"headers": auth_for(case.path, user_key), "timeout": CALL_TIMEOUT_S}
 
-        def before_call(self, case: Case) -> None:
+        def before_call(self, case: AnyCase) -> None:
             shape_generation(case)
 
-        def after_call(self, response: Response, case: Case) -> None:
+        def after_call(self, response: Response, case: AnyCase) -> None:
             super().after_call(response, case)
             steps.append(f"{case.operation.label} {response.status_code}")
 
         def validate_response(
             self,
             response: Response,
-            case: Case,
+            case: AnyCase,
             additional_checks: list[CheckFunction] | None = None,
             **kwargs: Any,
         ) -> None:

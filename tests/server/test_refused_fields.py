@@ -68,7 +68,7 @@ def test_the_openai_sdk_sees_the_refused_parameter(server: ServerProcess) -> Non
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
             model="smollm2",
-            messages=HI,  # type: ignore[arg-type]
+            messages=[{"role": "user", "content": "hi"}],  # typed as the SDK's params
             max_tokens=4,
             response_format={"type": "json_object"},
         )
