@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.client.conftest import LONG_PROMPT
+from tests.client.conftest import LONG_PROMPT, in_flight
 from tests.conftest import ServerProcess
-from tests.waiting import wait_until
+from tests.driver import EngineDriver
+from tests.waiting import HANG_S, wait_until
 from tokenmill import AsyncClient, Client, RateLimitError
 from tokenmill.client import AsyncStream, Chunk, Response, Stream
 
@@ -135,25 +137,29 @@ def test_predict_needs_prompt_or_messages(server: ServerProcess) -> None:
         client.predict("smollm2", max_tokens=2)
 
 
-def test_closing_a_stream_early_stops_generation(overload_server: ServerProcess) -> None:
+def test_closing_a_stream_early_stops_generation(
+    overload_server: ServerProcess, driver: EngineDriver
+) -> None:
     """With one slot, a new request is admitted only once the closed stream is aborted."""
     with Client(overload_server.url, max_retries=0) as client:
-        stream = client.chat(LONG_PROMPT, stream=True, max_tokens=1000, **GREEDY)
+        stream = client.chat(LONG_PROMPT, model="scripted", stream=True, max_tokens=1000)
+        rid = stream.request_id
+        assert rid is not None
+        driver.emit(rid, 1)
         first = next(stream)
-        assert first.text
+        assert first.text == " w1"
         with pytest.raises(RateLimitError):  # the slot is held while the stream is open
-            client.complete("Hi", max_tokens=2)
+            client.complete("Hi", model="scripted", max_tokens=2)
         stream.close()
-
-        def admitted() -> bool:  # once the server noticed the closed connection
-            try:
-                client.complete("Hi", max_tokens=2)
-            except RateLimitError:
-                return False
-            return True
-
-        wait_until(admitted, "the closed stream's slot to come back")
+        # The server noticed the closed connection and stopped the generation there.
+        assert driver.wait("aborted", rid)["tokens"] == 1
+        wait_until(lambda: in_flight(overload_server) == 0, "the closed stream's slot back")
+        with ThreadPoolExecutor(1) as pool:
+            admitted = pool.submit(client.complete, "Hi", model="scripted", max_tokens=2)
+            after = str(driver.wait("started", count=2)["id"])
+            driver.emit(after, 2)
+            assert admitted.result(timeout=HANG_S).text == " w1 w2"
         assert stream.text == first.text
-    # The generation was stopped, not run to its 1000 tokens.
-    usage = httpx.get(f"{overload_server.url}/v1/usage/{stream.request_id}").json()
-    assert usage["finish_reason"] == "abort" and usage["completion_tokens"] < 1000, usage
+    assert driver.index("aborted", rid) < driver.index("started", after)
+    usage = httpx.get(f"{overload_server.url}/v1/usage/{rid}").json()
+    assert (usage["finish_reason"], usage["completion_tokens"]) == ("abort", 1), usage

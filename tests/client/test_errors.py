@@ -10,12 +10,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from tests.client.conftest import LONG_PROMPT, dead_upstream_config
+from tests.client.conftest import LONG_PROMPT, dead_upstream_config, in_flight
 from tests.conftest import ServerProcess, free_port
-from tests.driver import EngineDriver, scripted_deployment
+from tests.driver import EngineDriver
 from tests.waiting import HANG_S, wait_until
 from tokenmill import (
     APIConnectionError,
@@ -99,18 +98,12 @@ def test_body_too_large_is_a_bad_request(start_server: Start) -> None:
         assert "1024" in ei.value.message
 
 
-def in_flight(srv: ServerProcess) -> int:
-    r = httpx.get(f"{srv.url}/v1/deployments/scripted", timeout=HANG_S)
-    assert r.status_code == 200, r.text
-    return int(r.json()["in_flight"])
-
-
 def test_429_then_retry_succeeds(
-    driver: EngineDriver, start_server: Start, caplog: pytest.LogCaptureFixture
+    overload_server: ServerProcess, driver: EngineDriver, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # One slot and no queue, held by a scripted stream until the test frees it: the
-    # refusal, the freed slot and the retry come in that order, whatever the machine.
-    srv = start_server(config=scripted_deployment(driver, max_num_seqs=1, max_queue=0))
+    # The one slot is held by a scripted stream until the test frees it: the refusal,
+    # the freed slot and the retry come in that order, whatever the machine.
+    srv = overload_server
     caplog.set_level(logging.INFO, logger="tokenmill.client")
     client_log = logging.getLogger("tokenmill.client")
     with Client(srv.url, max_retries=0) as holder:
