@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import json
 import logging
@@ -14,7 +15,7 @@ import pytest
 
 from tests.client.conftest import LONG_PROMPT, dead_upstream_config, in_flight
 from tests.conftest import ServerProcess, free_port
-from tests.driver import EngineDriver
+from tests.driver import EngineDriver, scripted_deployment
 from tests.waiting import HANG_S, wait_until
 from tokenmill import (
     APIConnectionError,
@@ -215,20 +216,23 @@ def test_engine_failure_is_a_server_error_or_in_band_stream_error(start_server: 
 
 
 async def test_broken_stream_raises_with_the_text_so_far(
-    start_server: Start, caplog: pytest.LogCaptureFixture
+    driver: EngineDriver, start_server: Start, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="tokenmill.client")
-    srv = start_server()
+    # Three tokens and no end: the kill lands mid-stream however fast the machine.
+    srv = start_server(config=scripted_deployment(driver, max_num_seqs=1))
     received: list[str] = []
     async with AsyncClient(srv.url, max_retries=5) as client:
-        stream = await client.chat(LONG_PROMPT, stream=True, max_tokens=1000, temperature=0.0)
+        stream = await client.chat(LONG_PROMPT, model="scripted", stream=True, max_tokens=1000)
+        assert stream.request_id is not None
+        await asyncio.to_thread(driver.emit, stream.request_id, 3)
         with pytest.raises(StreamError) as ei:
             async for chunk in stream:
                 received.append(chunk.text)
                 if len(received) == 3:
                     srv.proc.kill()  # SIGKILL: the connection drops mid-stream
     e = ei.value
-    assert len(received) >= 3
+    assert received == [" w1", " w2", " w3"]
     assert e.text == "".join(received)  # everything delivered, nothing twice
     assert "not re-sent" in e.message
     assert e.request_id == stream.request_id
