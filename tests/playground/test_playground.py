@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from playwright.sync_api import Page
+from playwright.sync_api import Page, Route
 
 from tests.conftest import ServerProcess
 from tests.waiting import wait_until
@@ -70,6 +70,14 @@ def test_stream_grows_in_steps_and_non_stream_appears_at_once(page: Page) -> Non
 
 
 def test_stop_aborts_and_frees_the_slot(page: Page, http: httpx.Client) -> None:
+    # The answer must still be running when Stop is pressed, however slow the
+    # machine: the page's request is sent on with ignore_eos, so it cannot end before
+    # its 1500 tokens (the receipt below shows it ended at Stop, not by itself).
+    def ignore_eos(route: Route) -> None:
+        body = json.loads(route.request.post_data or "{}")
+        route.continue_(post_data=json.dumps({**body, "ignore_eos": True}))
+
+    page.route("**/v1/completions", ignore_eos)
     page.select_option("#endpoint", "completion")
     page.fill("#max_tokens", "1500")
     page.fill("#temperature", "0")
