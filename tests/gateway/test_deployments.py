@@ -289,6 +289,26 @@ def test_upstream_gets_the_fields_it_supports_and_names_what_it_refuses(
     assert "the upstream refused" in r.json()["error"]["message"]
 
 
+def test_upstream_logprobs_come_back_as_the_upstream_sent_them(
+    client: httpx.Client, http: httpx.Client
+) -> None:
+    body = {"prompt": COUNTING, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    direct = http.post("/v1/completions", json=body).json()["choices"][0]
+    r = client.post("/v1/completions", json={**body, "model": "remote"})
+    assert r.status_code == 200, r.text
+    remote = r.json()["choices"][0]
+    assert remote["text"] == direct["text"]
+    assert remote["logprobs"]["tokens"] == direct["logprobs"]["tokens"]
+    assert remote["logprobs"]["text_offset"] == direct["logprobs"]["text_offset"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    chat |= {"logprobs": True, "top_logprobs": 2, "model": "remote"}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == r.json()["choices"][0]["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)
+
+
 def test_upstream_disconnect_closes_the_upstream_request(
     client: httpx.Client, http: httpx.Client
 ) -> None:

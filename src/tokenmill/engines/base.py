@@ -46,6 +46,9 @@ class SamplingParams:
     # (token id, bias) added to the logits before sampling; -100 bans a token, 100
     # all but forces it (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Report each token's log probability and this many most likely alternatives
+    # (None: no log probabilities).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +88,37 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a position: its bytes and log probability."""
+
+    piece: bytes
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token of the completion, its log probability and the likeliest alternatives.
+
+    Log probabilities are of the model's own distribution (a log-softmax of the
+    logits), before any sampling step (penalties, logit_bias, temperature) changes it.
+    ``offset`` is where the token's text starts in the completion's text, in characters.
+    """
+
+    piece: bytes
+    logprob: float
+    offset: int
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
-    """A text delta. The last chunk of a stream has ``finish_reason`` and ``usage``."""
+    """A text delta. The last chunk of a stream has ``finish_reason`` and ``usage``.
+
+    With ``logprobs`` asked for, ``logprobs`` holds the tokens whose text this chunk
+    completes: a token leaves with its text, never before it (text held back for a
+    stop string holds its tokens back too) and never without it (tokens a stop string
+    swallowed are dropped with it).
+    """
 
     text: str
     finish_reason: FinishReason | None = None
@@ -94,6 +126,7 @@ class Chunk:
     # Completion tokens produced so far, this chunk's included (0 if the engine can't
     # tell). Lets the gateway bill a stream even if its final usage never arrives.
     tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

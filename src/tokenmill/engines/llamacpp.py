@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp as ll
+import numpy as np
 
 from tokenmill.engines.base import (
     Chunk,
@@ -42,10 +43,12 @@ from tokenmill.engines.base import (
     PromptInfo,
     SamplingParams,
     StepSink,
+    TopLogprob,
     Usage,
 )
 from tokenmill.engines.chunks import ChunkQueue, ChunkReader
 from tokenmill.engines.embedded import embedded_model_path
+from tokenmill.engines.logprobs import TokenAligner
 from tokenmill.engines.textstream import TextStream
 from tokenmill.engines.threads import ThreadTuner, available_cpus
 from tokenmill.engines.vocab import Vocab, init_backend
@@ -85,6 +88,8 @@ class _Sequence:
     last_token: int = -1
     sampler: Any = None
     done: bool = False
+    # Tokens waiting for their text, when log probabilities were asked for.
+    aligner: TokenAligner | None = None
 
 
 @dataclass(slots=True)
@@ -284,6 +289,7 @@ class LlamaCppEngine:
             sampling=request.sampling,
             deliver=deliver,
             stream=TextStream(request.sampling.stop),
+            aligner=None if request.sampling.logprobs is None else TokenAligner(),
         )
         with self._cv:
             if self._failed is not None:
@@ -600,6 +606,8 @@ class LlamaCppEngine:
         self.steps += 1
         vocab = self.vocab
         for seq, idx in outputs:
+            # Read before sampling: the model's own distribution, untouched by it.
+            logprobs = None if seq.aligner is None else self._log_softmax(idx)
             token = ll.llama_sampler_sample(seq.sampler, self._ctx, idx)
             if seq.n_past > len(seq.prompt) or seq.generated > 0:
                 # the previous sampled token is now in the KV cache
@@ -611,15 +619,37 @@ class LlamaCppEngine:
             self.tokens_generated += 1
             seq.last_token = token
             seq.n_past = len(seq.prompt) + seq.generated - 1
-            text = seq.stream.feed(vocab.piece(token))
+            piece = vocab.piece(token)
+            text = seq.stream.feed(piece)
+            if seq.aligner is not None and logprobs is not None:
+                top = self._top(logprobs, seq.sampling.logprobs or 0)
+                seq.aligner.add(piece, float(logprobs[token]), top, seq.stream.decoded)
             if seq.stream.stopped:
                 self._finish(seq, "stop", events, text)
             elif seq.generated >= seq.sampling.max_tokens or (
                 len(seq.prompt) + seq.generated >= self.n_ctx_seq
             ):
                 self._finish(seq, "length", events, text + seq.stream.finish())
-            elif text:
-                events.append((seq, Chunk(text, tokens=seq.generated)))
+            else:
+                released = () if seq.aligner is None else seq.aligner.release(len(text))
+                if text or released:
+                    events.append((seq, Chunk(text, tokens=seq.generated, logprobs=released)))
+
+    def _log_softmax(self, idx: int) -> Any:
+        """Log probabilities of the next token at batch output ``idx``, from the raw logits."""
+        n_vocab = self.vocab.n_tokens
+        raw = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, idx), shape=(n_vocab,))
+        logits = raw.astype(np.float64)
+        peak = logits.max()
+        return logits - (peak + np.log(np.exp(logits - peak).sum()))
+
+    def _top(self, logprobs: Any, k: int) -> tuple[TopLogprob, ...]:
+        if k <= 0:
+            return ()
+        best = np.argpartition(logprobs, -k)[-k:]
+        best = best[np.argsort(-logprobs[best], kind="stable")]
+        piece = self.vocab.piece
+        return tuple(TopLogprob(piece(int(t)), float(logprobs[t])) for t in best)
 
     def _finish(
         self,
@@ -645,7 +675,9 @@ class LlamaCppEngine:
             ll.llama_sampler_free(seq.sampler)
             seq.sampler = None
         usage = Usage(len(seq.prompt), seq.generated, seq.cached)
-        events.append((seq, Chunk(text, reason, usage, seq.generated)))
+        # Tokens still waiting now are those a stop string swallowed (or an abort cut).
+        released = () if seq.aligner is None else seq.aligner.release(len(text))
+        events.append((seq, Chunk(text, reason, usage, seq.generated, released)))
 
     def _post(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
         if self._sink is not None:

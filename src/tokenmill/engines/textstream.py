@@ -15,7 +15,7 @@ import codecs
 
 
 class TextStream:
-    __slots__ = ("_decoder", "_max_stop", "_pending", "_stops", "stopped")
+    __slots__ = ("_decoder", "_max_stop", "_pending", "_stops", "decoded", "stopped")
 
     def __init__(self, stop: tuple[str, ...] = ()) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -23,6 +23,9 @@ class TextStream:
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._pending = ""
         self.stopped = False
+        # Characters decoded so far, emitted or held back: where the text of the next
+        # token starts (engines align tokens with their text by it).
+        self.decoded = 0
 
     def feed(self, data: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to emit.
@@ -34,6 +37,7 @@ class TextStream:
         text = self._decoder.decode(data)
         if not text:
             return ""
+        self.decoded += len(text)
         if not self._stops:
             return text
         pending = self._pending + text

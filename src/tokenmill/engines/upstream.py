@@ -45,6 +45,8 @@ from tokenmill.engines.base import (
     GenerationRequest,
     Prepared,
     PromptInfo,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from tokenmill.errors import (
@@ -91,12 +93,14 @@ class _Running:
     prompt_tokens: int
     tokenizer: GgufTokenizer | None
     chunks: int = 0
+    chars: int = 0
     parts: list[str] = field(default_factory=list)
     response: httpx.Response | None = None
     aborted: bool = False
 
     def add(self, text: str) -> None:
         self.chunks += 1
+        self.chars += len(text)
         self.parts.append(text)
 
     def usage(self) -> Usage:
@@ -216,8 +220,13 @@ class UpstreamEngine:
             body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
         if request.messages is not None:
             body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+            if s.logprobs is not None:
+                body["logprobs"] = True
+                body["top_logprobs"] = s.logprobs
             return "/chat/completions", body
         body["prompt"] = request.prompt
+        if s.logprobs is not None:
+            body["logprobs"] = s.logprobs
         return "/completions", body
 
     async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -312,10 +321,13 @@ class UpstreamEngine:
                         )
                     for choice in event.get("choices") or ():
                         text = _choice_text(choice)
+                        logprobs: tuple[TokenLogprob, ...] = ()
+                        if request.sampling.logprobs is not None and text:
+                            logprobs = _logprobs(choice.get("logprobs"), state.chars)
                         if text:
                             state.add(text)
                             self.tokens_generated += 1
-                            yield Chunk(text)
+                            yield Chunk(text, logprobs=logprobs)
                         if choice.get("finish_reason"):
                             finish = "length" if choice["finish_reason"] == "length" else "stop"
             except httpx.HTTPError as e:
@@ -347,6 +359,36 @@ class UpstreamEngine:
         if state.response is not None:
             await state.response.aclose()
         return state.usage()
+
+
+def _logprobs(raw: Any, offset: int) -> tuple[TokenLogprob, ...]:
+    """The tokens of an upstream chunk (chat's shape or a completion's), at ``offset``.
+
+    Asked for and missing: the upstream ignored the field, and the answer must not.
+    """
+    if isinstance(raw, dict) and isinstance(raw.get("content"), list):
+        out = []
+        for e in raw["content"]:
+            piece = _piece(e)
+            top = tuple(TopLogprob(_piece(t), float(t["logprob"])) for t in e["top_logprobs"])
+            out.append(TokenLogprob(piece, float(e["logprob"]), offset, top))
+            offset += len(str(e["token"]))
+        return tuple(out)
+    if isinstance(raw, dict) and isinstance(raw.get("tokens"), list):
+        rows = zip(raw["tokens"], raw["token_logprobs"], raw["top_logprobs"], strict=True)
+        out = []
+        for token, logprob, top in rows:
+            ranked = sorted((top or {}).items(), key=lambda kv: -kv[1])
+            alternatives = tuple(TopLogprob(t.encode(), float(lp)) for t, lp in ranked)
+            out.append(TokenLogprob(str(token).encode(), float(logprob), offset, alternatives))
+            offset += len(str(token))
+        return tuple(out)
+    raise EngineError("the upstream sent no logprobs although they were asked for")
+
+
+def _piece(entry: dict[str, Any]) -> bytes:
+    raw = entry.get("bytes")
+    return bytes(raw) if isinstance(raw, list) else str(entry["token"]).encode()
 
 
 def _choice_text(choice: dict[str, Any]) -> str:

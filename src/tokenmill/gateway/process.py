@@ -51,6 +51,8 @@ from tokenmill.engines.base import (
     GenerationRequest,
     PromptInfo,
     SamplingParams,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from tokenmill.engines.chunks import ChunkQueue, ChunkReader
@@ -125,6 +127,35 @@ def encode_usage(u: Usage | None) -> list[int] | None:
 
 def decode_usage(u: list[int] | None) -> Usage | None:
     return None if u is None else Usage(u[0], u[1], u[2])
+
+
+# Token bytes travel as latin-1 text: one character a byte, valid JSON, no base64.
+def encode_logprobs(tokens: tuple[TokenLogprob, ...]) -> list[Any] | None:
+    if not tokens:
+        return None
+    return [
+        [
+            t.piece.decode("latin-1"),
+            t.logprob,
+            t.offset,
+            [[top.piece.decode("latin-1"), top.logprob] for top in t.top],
+        ]
+        for t in tokens
+    ]
+
+
+def decode_logprobs(rows: list[Any] | None) -> tuple[TokenLogprob, ...]:
+    if not rows:
+        return ()
+    return tuple(
+        TokenLogprob(
+            piece.encode("latin-1"),
+            logprob,
+            offset,
+            tuple(TopLogprob(p.encode("latin-1"), lp) for p, lp in top),
+        )
+        for piece, logprob, offset, top in rows
+    )
 
 
 def encode_error(e: BaseException) -> dict[str, Any]:
@@ -409,12 +440,13 @@ class ProcessEngine:
                 child.answered = time.monotonic()
                 op = msg["op"]
                 if op == "chunks":
-                    for rid, text, reason, usage, tokens in msg["c"]:
+                    for rid, text, reason, usage, tokens, logprobs in msg["c"]:
                         p = pending.get(rid)
                         if p is None:
                             continue
                         u = decode_usage(usage)
-                        p.queue.put_nowait(Chunk(text, reason, u, tokens))
+                        lps = decode_logprobs(logprobs)
+                        p.queue.put_nowait(Chunk(text, reason, u, tokens, lps))
                         # It stays pending until its reader is done with it: a reader
                         # that left before this last chunk asks abort() for the usage.
                         if reason is not None and not p.final.done():
@@ -532,10 +564,12 @@ def _is_json(v: Any) -> bool:
 __all__ = [
     "ProcessEngine",
     "decode_error",
+    "decode_logprobs",
     "decode_request",
     "decode_usage",
     "encode_error",
     "encode_frame",
+    "encode_logprobs",
     "encode_request",
     "encode_usage",
     "read_frame",

@@ -35,6 +35,7 @@ from tokenmill.gateway.process import (
     decode_request,
     encode_error,
     encode_frame,
+    encode_logprobs,
     encode_usage,
     read_frame,
 )
@@ -75,7 +76,9 @@ class FrameWriter:
 
 
 def chunk_row(rid: str, chunk: Chunk) -> list[Any]:
-    return [rid, chunk.text, chunk.finish_reason, encode_usage(chunk.usage), chunk.tokens]
+    usage = encode_usage(chunk.usage)
+    logprobs = encode_logprobs(chunk.logprobs)
+    return [rid, chunk.text, chunk.finish_reason, usage, chunk.tokens, logprobs]
 
 
 class Outbox:

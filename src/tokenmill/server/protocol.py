@@ -16,6 +16,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -31,6 +32,8 @@ DEFAULT_MAX_TOKENS = 256
 # (each is a sampler entry of every step).
 MAX_LOGIT_BIAS = 100
 MAX_LOGIT_BIAS_TOKENS = 300
+# Alternatives reported per token (OpenAI's chat limit; each costs a sort per token).
+MAX_TOP_LOGPROBS = 20
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -44,6 +47,7 @@ def _integral(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
+TopLogprobs = Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 def _strings(*, min_items: int = 0, max_items: int) -> dict[str, Any]:
@@ -165,6 +169,10 @@ class SamplingFields(RefusedFields):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         return v
 
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives to report per token, or None: no log probabilities."""
+        return None
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -190,10 +198,29 @@ class SamplingFields(RefusedFields):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
+            logprobs=self.logprob_alternatives(),
         )
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatLogprobFields(SamplingFields):
+    """Chat's log probability fields: ``logprobs`` on or off, ``top_logprobs`` a count."""
+
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        # ``logprobs`` is declared first, so it is validated by now.
+        if v and info.data.get("logprobs") is not True:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def logprob_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs is True else None
+
+
+class ChatCompletionRequest(ChatLogprobFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
 
@@ -208,6 +235,12 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] = Field(
         json_schema_extra={"anyOf": [{"type": "string"}, _strings(min_items=1, max_items=1)]}
     )
+    logprobs: TopLogprobs | None = Field(
+        default=None, description="log probabilities, with this many alternatives a token"
+    )
+
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -221,8 +254,12 @@ class CompletionRequest(SamplingFields):
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
-class PredictRequest(SamplingFields):
-    """Body of the deployment predict endpoints: ``prompt`` or ``messages``."""
+class PredictRequest(ChatLogprobFields):
+    """Body of the deployment predict endpoints: ``prompt`` or ``messages``.
+
+    ``logprobs`` is chat's (``true`` with ``top_logprobs``) or a completion's (a count
+    of alternatives), whichever the route; the answer has the route's shape.
+    """
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -237,6 +274,14 @@ class PredictRequest(SamplingFields):
     messages: list[Message] | None = Field(default=None, min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     endpoint_type: Literal["chat", "completion"] | None = None
+    logprobs: bool | TopLogprobs | None = None  # type: ignore[assignment]
+
+    def logprob_alternatives(self) -> int | None:
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        if self.logprobs is True:
+            return self.top_logprobs or 0
+        return self.logprobs
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> PredictRequest:
@@ -303,10 +348,41 @@ class AssistantMessage(_Response):
     content: str
 
 
+Logprob = Annotated[float, Field(le=0.0, description="natural log of the probability")]
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: Logprob
+    bytes: list[int]
+
+
+class ChatTokenLogprob(_Response):
+    """A token of the answer: its text, bytes, log probability and likeliest rivals."""
+
+    token: str
+    logprob: Logprob
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(_Response):
+    """A text completion's tokens, in OpenAI's legacy shape (one list per attribute)."""
+
+    tokens: list[str]
+    token_logprobs: list[Logprob | None]
+    top_logprobs: list[dict[str, Logprob] | None]
+    text_offset: list[int]
+
+
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: PublicFinishReason | None
 
 
@@ -327,7 +403,7 @@ class ChatDelta(_Response):
 class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: PublicFinishReason | None
 
 
@@ -345,7 +421,7 @@ class ChatCompletionChunk(_Response):
 class CompletionChoice(_Response):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: PublicFinishReason | None
 
 

@@ -72,8 +72,6 @@ def _const_schema(value: Any) -> dict[str, Any]:
 
 # The fields of every generation endpoint that tokenmill refuses unless neutral.
 REFUSED: dict[str, Refused] = {
-    "logprobs": Refused("log probabilities", (False,)),
-    "top_logprobs": Refused("log probabilities", (0,)),
     "echo": Refused("echoing the prompt", (False,)),
     "best_of": Refused("best-of sampling", (1,)),
     "suffix": Refused("insertion (a suffix)", ("",)),
@@ -136,8 +134,6 @@ def _refused_field(name: str) -> Any:
 class RefusedFields(BaseModel):
     """The refused fields, declared so that the schema and the 400s name them."""
 
-    logprobs: Any = _refused_field("logprobs")
-    top_logprobs: Any = _refused_field("top_logprobs")
     echo: Any = _refused_field("echo")
     best_of: Any = _refused_field("best_of")
     suffix: Any = _refused_field("suffix")

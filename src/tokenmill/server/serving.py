@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokenmill.engines.base import GenerationRequest, Usage
+from tokenmill.engines.base import GenerationRequest, TokenLogprob, Usage
 from tokenmill.errors import TokenmillError
 from tokenmill.gateway.core import Gateway, RequestStream
 from tokenmill.gateway.deployment import Deployment
@@ -34,6 +34,46 @@ def usage_body(usage: Usage | None, prompt_tokens: int) -> dict[str, Any]:
     }
 
 
+def chat_logprobs(tokens: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
+    """Chat's ``logprobs``: one entry a token, with its likeliest alternatives."""
+    return {
+        "content": [
+            {
+                "token": _text(t.piece),
+                "logprob": t.logprob,
+                "bytes": list(t.piece),
+                "top_logprobs": [
+                    {"token": _text(a.piece), "logprob": a.logprob, "bytes": list(a.piece)}
+                    for a in t.top
+                ],
+            }
+            for t in tokens
+        ]
+    }
+
+
+def completion_logprobs(
+    tokens: tuple[TokenLogprob, ...] | list[TokenLogprob], offset: int = 0
+) -> dict[str, Any]:
+    """A completion's ``logprobs``: the sampled token is always among ``top_logprobs``."""
+    top: list[dict[str, float] | None] = []
+    for t in tokens:
+        alternatives = {_text(a.piece): a.logprob for a in t.top}
+        alternatives.setdefault(_text(t.piece), t.logprob)
+        top.append(alternatives)
+    return {
+        "tokens": [_text(t.piece) for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": top,
+        "text_offset": [offset + t.offset for t in tokens],
+    }
+
+
+def _text(piece: bytes) -> str:
+    # A token can hold part of a character; its ``bytes`` say exactly what it holds.
+    return piece.decode("utf-8", errors="replace")
+
+
 @dataclass
 class Generation:
     route: Route
@@ -41,6 +81,7 @@ class Generation:
     model: str
     include_usage: bool
     created: int
+    logprobs: bool = False
 
     @property
     def request_id(self) -> str:
@@ -62,14 +103,25 @@ class Generation:
             }
         )
 
-    def _text_frame(self, text: str, finish_reason: str | None = None) -> bytes:
+    def _logprobs(self, tokens: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> Any:
+        if not self.logprobs:
+            return None
+        return chat_logprobs(tokens) if self.route == "chat" else completion_logprobs(tokens)
+
+    def _text_frame(
+        self,
+        text: str,
+        finish_reason: str | None = None,
+        tokens: tuple[TokenLogprob, ...] = (),
+    ) -> bytes:
+        logprobs = self._logprobs(tokens) if tokens else None
         if self.route == "chat":
             delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
             return self._frame(
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             )
         return self._frame(
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         )
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -85,8 +137,8 @@ class Generation:
                     }
                 )
             async for chunk in self.stream:
-                if chunk.text:
-                    yield self._text_frame(chunk.text)
+                if chunk.text or chunk.logprobs:
+                    yield self._text_frame(chunk.text, tokens=chunk.logprobs)
                 if chunk.finish_reason is not None:
                     yield self._text_frame("", _public_reason(chunk.finish_reason))
             if self.include_usage:
@@ -109,23 +161,26 @@ class Generation:
     async def collect(self) -> dict[str, Any]:
         """The whole completion as one OpenAI response body."""
         parts: list[str] = []
+        tokens: list[TokenLogprob] = []
         reason: str | None = None
         async for chunk in self.stream:
             if chunk.text:
                 parts.append(chunk.text)
+            tokens.extend(chunk.logprobs)
             if chunk.finish_reason is not None:
                 reason = _public_reason(chunk.finish_reason)
         text = "".join(parts)
+        logprobs = self._logprobs(tokens)
         if self.route == "chat":
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": reason,
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
             obj = "text_completion"
         return {
             "id": self.response_id,
@@ -177,4 +232,5 @@ async def open_generation(
         model=body.model or deployment.id,
         include_usage=body.include_usage,
         created=int(time.time()),
+        logprobs=body.logprob_alternatives() is not None,
     )
