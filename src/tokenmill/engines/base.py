@@ -20,7 +20,7 @@ A new backend (vLLM, a Ray Serve replica) is one more class with these methods.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -59,10 +59,11 @@ class ChatMessage:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One generation. Exactly one of ``prompt`` and ``messages`` is set.
+    """One generation. Exactly one of ``prompt``, ``prompt_tokens`` and ``messages`` is set.
 
     ``messages`` are rendered by the engine with ``chat_template`` (a Jinja string)
-    when given, else with the model's own template.
+    when given, else with the model's own template. ``prompt_tokens`` is a prompt
+    already tokenized (by ``/tokenize``, or by the client with the same tokenizer).
     """
 
     request_id: str
@@ -70,6 +71,23 @@ class GenerationRequest:
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     chat_template: str | None = None
+    prompt_tokens: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        given = (self.prompt, self.messages, self.prompt_tokens)
+        if sum(x is not None for x in given) != 1:
+            raise ValueError("exactly one of prompt, prompt_tokens and messages must be set")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    """Text to tokenize: exactly one of ``prompt`` and ``messages`` (rendered as for
+    a generation, with the generation prompt unless ``add_generation_prompt`` is false)."""
+
+    prompt: str | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -180,6 +198,29 @@ class Engine(Protocol):
 
     def health(self) -> EngineHealth:
         """A cheap, non-blocking snapshot."""
+        ...
+
+
+@runtime_checkable
+class TokenizingEngine(Protocol):
+    """An optional capability: the model's own tokenizer (``/tokenize``, ``/detokenize``).
+
+    Engines that run the model have it; a process replica forwards it to its child;
+    an upstream proxy has it when its deployment names a ``tokenizer`` (else it raises
+    ``InvalidRequestError`` naming ``model``).
+    """
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+        """The prompt's token ids, exactly as a generation would see them."""
+        ...
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``; ``InvalidRequestError`` naming ``tokens`` for an id
+        outside the vocabulary."""
+        ...
+
+    def context_length(self) -> int:
+        """Tokens one sequence may hold (prompt and completion)."""
         ...
 
 

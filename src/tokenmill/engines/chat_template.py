@@ -31,9 +31,13 @@ def _compile_template(source: str) -> jinja2.Template:
 
 
 def render_chat(
-    source: str | None, messages: Sequence[ChatMessage], bos_token: str, eos_token: str
+    source: str | None,
+    messages: Sequence[ChatMessage],
+    bos_token: str,
+    eos_token: str,
+    add_generation_prompt: bool = True,
 ) -> str:
-    """Render ``messages`` with a generation prompt appended."""
+    """Render ``messages``, with a generation prompt appended unless told not to."""
     if not source:
         raise InvalidRequestError(
             "this model has no chat template; send 'chat_template' or use /v1/completions",
@@ -42,7 +46,7 @@ def render_chat(
     try:
         return _compile_template(source).render(
             messages=[{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
         )

@@ -26,7 +26,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from tokenmill.engines.base import (
     PromptInfo,
     SamplingParams,
     StepSink,
+    TokenizeRequest,
     TopLogprob,
     Usage,
 )
@@ -241,7 +242,11 @@ class LlamaCppEngine:
                     f"{n_vocab - 1}",
                     param="logit_bias",
                 )
-        tokens = self.vocab.tokenize(self.vocab.render(request))
+        if request.prompt_tokens is not None:
+            self.vocab.check_ids(request.prompt_tokens, "prompt")
+            tokens = list(request.prompt_tokens)
+        else:
+            tokens = self.vocab.tokenize(self.vocab.render(request))
         if not tokens:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         # max_tokens 0 means "as many as fit": the prompt must leave room for one.
@@ -254,6 +259,19 @@ class LlamaCppEngine:
                 param="max_tokens",
             )
         return tokens
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+        if self._vocab is None:
+            await self.start()
+        return self.vocab.tokenize(self.vocab.render(request))
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        if self._vocab is None:
+            await self.start()
+        return self.vocab.detokenize(tokens)
+
+    def context_length(self) -> int:
+        return self.n_ctx_seq
 
     # -- requests ------------------------------------------------------------------
 

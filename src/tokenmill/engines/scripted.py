@@ -76,6 +76,8 @@ STALL_SLICE_S = 3600.0
 def prompt_text(request: GenerationRequest) -> str:
     if request.prompt is not None:
         return request.prompt
+    if request.prompt_tokens is not None:  # its tokens are words: one word a token
+        return " ".join(str(t) for t in request.prompt_tokens)
     assert request.messages is not None
     return "\n".join(f"{m.role}: {m.content}" for m in request.messages)
 

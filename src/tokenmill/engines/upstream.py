@@ -31,7 +31,7 @@ import logging
 import math
 import random
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ from tokenmill.engines.base import (
     GenerationRequest,
     Prepared,
     PromptInfo,
+    TokenizeRequest,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -80,6 +81,8 @@ def estimate_tokens(text: str) -> int:
 
 
 def estimate_prompt(request: GenerationRequest) -> int:
+    if request.prompt_tokens is not None:
+        return len(request.prompt_tokens)
     if request.prompt is not None:
         return max(1, estimate_tokens(request.prompt))
     assert request.messages is not None
@@ -170,12 +173,36 @@ class UpstreamEngine:
 
     async def _count_prompt(self, request: GenerationRequest) -> int:
         tokenizer = self._tokenizer
-        if tokenizer is None:
+        if tokenizer is None or request.prompt_tokens is not None:
             return estimate_prompt(request)
         size = len(request.prompt or "") + sum(len(m.content) for m in request.messages or ())
         if size > TOKENIZE_INLINE_CHARS:
             return max(1, await asyncio.to_thread(tokenizer.count_prompt, request))
         return max(1, tokenizer.count_prompt(request))
+
+    def _own_tokenizer(self) -> GgufTokenizer:
+        if self._tokenizer is None:
+            raise InvalidRequestError(
+                f"deployment {self.config.id!r} proxies {self.url} and has no tokenizer to "
+                "tokenize with; set its 'tokenizer' (a GGUF file matching the model) or "
+                "pick a llamacpp model",
+                param="model",
+            )
+        return self._tokenizer
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+        if self._client is None:
+            await self.start()
+        vocab = self._own_tokenizer().vocab
+        return await asyncio.to_thread(lambda: vocab.tokenize(vocab.render(request)))
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        if self._client is None:
+            await self.start()
+        return self._own_tokenizer().vocab.detokenize(tokens)
+
+    def context_length(self) -> int:
+        return self.config.n_ctx
 
     def health(self) -> EngineHealth:
         return EngineHealth(
@@ -224,7 +251,9 @@ class UpstreamEngine:
                 body["logprobs"] = True
                 body["top_logprobs"] = s.logprobs
             return "/chat/completions", body
-        body["prompt"] = request.prompt
+        # OpenAI's completions take a prompt as token ids too.
+        tokens = request.prompt_tokens
+        body["prompt"] = request.prompt if tokens is None else list(tokens)
         if s.logprobs is not None:
             body["logprobs"] = s.logprobs
         return "/completions", body

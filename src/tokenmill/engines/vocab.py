@@ -13,15 +13,16 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import llama_cpp as ll
 
-from tokenmill.engines.base import GenerationRequest
+from tokenmill.engines.base import GenerationRequest, TokenizeRequest
 from tokenmill.engines.chat_template import render_chat
 from tokenmill.engines.embedded import embedded_model_path
-from tokenmill.errors import EngineError
+from tokenmill.errors import EngineError, InvalidRequestError
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -55,13 +56,36 @@ class Vocab:
         raw = ll.llama_vocab_get_text(self.handle, token)
         return raw.decode("utf-8", errors="replace") if raw else ""
 
-    def render(self, request: GenerationRequest) -> str:
+    def render(self, request: GenerationRequest | TokenizeRequest) -> str:
         """The prompt text: the request's ``prompt``, or its messages through the template."""
         if request.prompt is not None:
             return request.prompt
-        assert request.messages is not None
+        assert request.messages is not None, "a prompt given as token ids has no text to render"
         source = request.chat_template or self.template
-        return render_chat(source, request.messages, self.bos, self.eos)
+        add = request.add_generation_prompt if isinstance(request, TokenizeRequest) else True
+        return render_chat(source, request.messages, self.bos, self.eos, add)
+
+    def check_ids(self, tokens: Sequence[int], param: str) -> None:
+        """Raise ``InvalidRequestError`` naming ``param`` for an id outside the vocabulary."""
+        for token in tokens:
+            if not 0 <= token < self.n_tokens:
+                raise InvalidRequestError(
+                    f"token id {token} is not in this model's vocabulary (ids 0 to "
+                    f"{self.n_tokens - 1})",
+                    param=param,
+                )
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of ``tokens``, control tokens written out (the inverse of ``tokenize``)."""
+        self.check_ids(tokens, "tokens")
+        ids = (ll.llama_token * len(tokens))(*tokens)
+        cap = max(64, 8 * len(tokens))
+        buf = ctypes.create_string_buffer(cap)
+        n = ll.llama_detokenize(self.handle, ids, len(tokens), buf, cap, False, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_detokenize(self.handle, ids, len(tokens), buf, -n, False, True)
+        return buf.raw[:n].decode("utf-8", errors="replace")
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens written as text
@@ -108,6 +132,8 @@ class GgufTokenizer:
         self.vocab = Vocab(self._model)
 
     def count_prompt(self, request: GenerationRequest) -> int:
+        if request.prompt_tokens is not None:
+            return len(request.prompt_tokens)
         return len(self.vocab.tokenize(self.vocab.render(request)))
 
     def count_text(self, text: str) -> int:

@@ -192,6 +192,15 @@ class Deployment:
         best.last_used = time.monotonic()
         return best
 
+    async def any_engine(self) -> Engine:
+        """A serving replica's engine, for work outside admission (tokenizing).
+
+        Loads the replicas of an idle-unloaded deployment as a generation would.
+        """
+        replica = await self.pick()
+        self.release(replica)
+        return replica.engine
+
     def refresh_capacity(self) -> None:
         """Admit against the slots of the replicas that can serve right now."""
         capacity = sum(r.slots for r in self.replicas if r.available())

@@ -12,10 +12,11 @@ child batches every chunk the engine produced in one decode step into one
 ``chunks`` frame, so the per-token cost is one small frame per step shared by all
 running streams, not one round trip per token.
 
-Frames, gateway -> child: ``prepare``, ``generate``, ``abort`` (by id), ``ping``,
-``close``. Child -> gateway: ``ready`` / ``fatal`` (start-up), ``prepared``,
-``chunks``, ``error`` (by id), ``status`` (the health snapshot, pushed when it
-changes), ``pong``.
+Frames, gateway -> child: ``prepare``, ``generate``, ``abort`` (by id),
+``tokenize``, ``detokenize`` (by id), ``ping``, ``close``. Child -> gateway:
+``ready`` / ``fatal`` (start-up), ``prepared``, ``chunks``, ``answer`` (to a
+``tokenize`` or ``detokenize``), ``error`` (by id), ``status`` (the health
+snapshot, pushed when it changes), ``pong``.
 
 Health: a child can be alive yet wedged (a native call that never returns, a
 stopped process). The gateway pings it every ``probe_interval_s``; a child whose
@@ -39,7 +40,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ from tokenmill.engines.base import (
     GenerationRequest,
     PromptInfo,
     SamplingParams,
+    TokenizeRequest,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -104,7 +106,23 @@ def encode_request(r: GenerationRequest) -> dict[str, Any]:
         "p": r.prompt,
         "m": None if r.messages is None else [[m.role, m.content] for m in r.messages],
         "t": r.chat_template,
+        "k": None if r.prompt_tokens is None else list(r.prompt_tokens),
     }
+
+
+def encode_tokenize(r: TokenizeRequest) -> dict[str, Any]:
+    messages = None if r.messages is None else [[m.role, m.content] for m in r.messages]
+    return {"p": r.prompt, "m": messages, "t": r.chat_template, "g": r.add_generation_prompt}
+
+
+def decode_tokenize(d: dict[str, Any]) -> TokenizeRequest:
+    messages = d["m"]
+    return TokenizeRequest(
+        prompt=d["p"],
+        messages=None if messages is None else tuple(ChatMessage(r, c) for r, c in messages),
+        chat_template=d["t"],
+        add_generation_prompt=bool(d["g"]),
+    )
 
 
 def decode_request(d: dict[str, Any]) -> GenerationRequest:
@@ -112,12 +130,14 @@ def decode_request(d: dict[str, Any]) -> GenerationRequest:
     s["stop"] = tuple(s["stop"])
     s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
     messages = d["m"]
+    tokens = d.get("k")
     return GenerationRequest(
         request_id=d["id"],
         sampling=SamplingParams(**s),
         prompt=d["p"],
         messages=None if messages is None else tuple(ChatMessage(r, c) for r, c in messages),
         chat_template=d["t"],
+        prompt_tokens=None if tokens is None else tuple(int(t) for t in tokens),
     )
 
 
@@ -205,6 +225,8 @@ class _Child:
     started: float = field(default_factory=time.monotonic)
     pending: dict[str, _Pending] = field(default_factory=dict)
     prepares: dict[str, asyncio.Future[PromptInfo]] = field(default_factory=dict)
+    # tokenize / detokenize calls waiting for their ``answer`` frame, by call id.
+    calls: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     lost: bool = False
     answered: float = field(default_factory=time.monotonic)  # last frame received
 
@@ -248,6 +270,7 @@ class ProcessEngine:
         self._lost = asyncio.Event()
         self._closing = False
         self._lock = asyncio.Lock()
+        self._calls = 0  # tokenize / detokenize calls sent, for their ids
 
     # -- properties -------------------------------------------------------------
 
@@ -457,9 +480,16 @@ class ProcessEngine:
                     fut = child.prepares.pop(msg["id"], None)
                     if fut is not None and not fut.done():
                         fut.set_result(PromptInfo(msg["prompt_tokens"], msg["context_length"]))
+                elif op == "answer":
+                    cfut = child.calls.pop(msg["id"], None)
+                    if cfut is not None and not cfut.done():
+                        cfut.set_result(msg)
                 elif op == "error":
                     rid = msg["id"]
                     err = decode_error(msg["error"])
+                    cfut = child.calls.pop(rid, None)
+                    if cfut is not None and not cfut.done():
+                        cfut.set_exception(err)
                     pfut = child.prepares.pop(rid, None)
                     if pfut is not None and not pfut.done():
                         pfut.set_exception(err)
@@ -494,6 +524,10 @@ class ProcessEngine:
             if not fut.done():
                 fut.set_exception(err)
         child.prepares.clear()
+        for call in child.calls.values():
+            if not call.done():
+                call.set_exception(err)
+        child.calls.clear()
 
     # -- requests ---------------------------------------------------------------
 
@@ -512,6 +546,31 @@ class ProcessEngine:
             return await fut
         finally:
             child.prepares.pop(request.request_id, None)
+
+    async def _call(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Send a ``tokenize`` / ``detokenize`` frame and wait for its ``answer``."""
+        child = self._live_child()
+        self._calls += 1
+        call_id = f"call-{self._calls}"
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        child.calls[call_id] = fut
+        try:
+            child.send({**message, "id": call_id})
+            return await fut
+        finally:
+            child.calls.pop(call_id, None)
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+        answer = await self._call({"op": "tokenize", "req": encode_tokenize(request)})
+        return [int(t) for t in answer["tokens"]]
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        answer = await self._call({"op": "detokenize", "tokens": list(tokens)})
+        return str(answer["text"])
+
+    def context_length(self) -> int:
+        # The child reports its engine's in every status frame.
+        return int(self._status.get("context_length") or self.kwargs.get("n_ctx") or 0)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         child = self._live_child()
@@ -566,11 +625,13 @@ __all__ = [
     "decode_error",
     "decode_logprobs",
     "decode_request",
+    "decode_tokenize",
     "decode_usage",
     "encode_error",
     "encode_frame",
     "encode_logprobs",
     "encode_request",
+    "encode_tokenize",
     "encode_usage",
     "read_frame",
 ]

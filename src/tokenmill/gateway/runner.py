@@ -29,10 +29,17 @@ import threading
 from typing import Any
 
 from tokenmill.engines import Engine, load_engine_class
-from tokenmill.engines.base import Chunk, GenerationRequest, SteppedEngine, StepSink
-from tokenmill.errors import EngineError
+from tokenmill.engines.base import (
+    Chunk,
+    GenerationRequest,
+    SteppedEngine,
+    StepSink,
+    TokenizingEngine,
+)
+from tokenmill.errors import EngineError, InvalidRequestError
 from tokenmill.gateway.process import (
     decode_request,
+    decode_tokenize,
     encode_error,
     encode_frame,
     encode_logprobs,
@@ -136,6 +143,9 @@ class Runner:
             # Whole seconds the current decode step has been running: the gateway's
             # probe kills a child whose engine hangs in native code.
             "stalled_s": int(stalled) if isinstance(stalled, int | float) else 0,
+            "context_length": (
+                self.engine.context_length() if isinstance(self.engine, TokenizingEngine) else None
+            ),
         }
 
     async def push_status(self) -> None:
@@ -161,6 +171,24 @@ class Runner:
                 "context_length": info.context_length,
             }
         )
+
+    async def answer(self, msg: dict[str, Any]) -> None:
+        """A ``tokenize`` or ``detokenize`` frame, answered by its id."""
+        call_id = msg["id"]
+        try:
+            if not isinstance(self.engine, TokenizingEngine):
+                raise InvalidRequestError(
+                    f"the {self.engine.name} engine has no tokenizer", param="model"
+                )
+            if msg["op"] == "tokenize":
+                tokens = await self.engine.tokenize(decode_tokenize(msg["req"]))
+                answer: dict[str, Any] = {"tokens": tokens}
+            else:
+                answer = {"text": await self.engine.detokenize(msg["tokens"])}
+        except Exception as e:
+            self.out.send({"op": "error", "id": call_id, "error": encode_error(e)})
+            return
+        self.out.send({"op": "answer", "id": call_id, **answer})
 
     async def generate(self, req: GenerationRequest) -> None:
         rid = req.request_id
@@ -259,6 +287,8 @@ async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
                     t.add_done_callback(aborts.discard)
             elif op == "prepare":
                 await runner.prepare(decode_request(msg["req"]))
+            elif op in ("tokenize", "detokenize"):
+                await runner.answer(msg)
             elif op == "ping":
                 out.send({"op": "pong", "status": runner.status()})
     finally:

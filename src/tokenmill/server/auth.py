@@ -1,10 +1,11 @@
 """API-key authentication: who is calling, resolved once per request.
 
 With ``admin_key`` unset the gateway is open (local use): every caller is the
-anonymous account. With it set, ``/v1`` needs ``Authorization: Bearer <key>`` and
-``/admin`` needs the admin key. Keys are looked up by their SHA-256, cached for a
-moment to keep the hot path off the database; revocation still bites at once where
-it matters, because every hold re-checks the key inside its transaction.
+anonymous account. With it set, ``/v1``, ``/tokenize`` and ``/detokenize`` need
+``Authorization: Bearer <key>`` and ``/admin`` needs the admin key. Keys are looked
+up by their SHA-256, cached for a moment to keep the hot path off the database;
+revocation still bites at once where it matters, because every hold re-checks the
+key inside its transaction.
 
 A presented key is never compared with a secret character by character: the admin key
 is compared as SHA-256 digests with :func:`hmac.compare_digest` (constant time, and
@@ -75,6 +76,15 @@ class KeyCache:
         }
 
 
+# Outside /v1 and keyed like it: vLLM's paths for the model's tokenizer.
+KEYED_ROOT_PATHS = ("/tokenize", "/detokenize")
+
+
+def needs_api_key(path: str) -> bool:
+    """Whether ``path`` takes an API key when keys are on (``/admin`` takes the admin key)."""
+    return path == "/v1" or path.startswith("/v1/") or path in KEYED_ROOT_PATHS
+
+
 def _key_in_query(scope: Scope) -> bool:
     query: bytes = scope.get("query_string", b"")
     if not query:
@@ -116,7 +126,7 @@ class Auth:
     async def _caller(self, scope: Scope) -> Caller | None:
         path: str = scope["path"]
         is_admin_path = path == "/admin" or path.startswith("/admin/")
-        if not (is_admin_path or path == "/v1" or path.startswith("/v1/")):
+        if not (is_admin_path or needs_api_key(path)):
             return None
         if self.admin_digest is None:
             return ADMIN if is_admin_path else ANONYMOUS

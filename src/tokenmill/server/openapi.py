@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from tokenmill.server.auth import needs_api_key
 from tokenmill.server.protocol import ErrorBody
 
 _REF = "#/components/schemas/{model}"
@@ -143,7 +144,7 @@ def document(app: FastAPI, *, api_keys: bool) -> dict[str, Any]:
             # A bad path or query parameter is a 400 (declared where one can be bad),
             # never FastAPI's 422 body.
             responses.pop("422", None)
-            if api_keys and path.startswith(("/v1/", "/admin/")):
+            if api_keys and (needs_api_key(path) or path.startswith("/admin/")):
                 operation["security"] = [{API_KEY_SCHEME: []}]
                 refusals = (401, 403) if path.startswith("/admin/") else (401,)
                 for status, response in errors(*refusals).items():

@@ -231,9 +231,28 @@ class ChatCompletionRequest(ChatLogprobFields):
         return self
 
 
+# Strict: JSON's true is no token id (lax pydantic would read it as 1).
+TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0, strict=True)]
+# A prompt given as token ids: at least one (the schema says so too).
+TOKEN_IDS_SCHEMA: dict[str, Any] = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0},
+    "minItems": 1,
+}
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] = Field(
-        json_schema_extra={"anyOf": [{"type": "string"}, _strings(min_items=1, max_items=1)]}
+    # Several prompts (a list of strings, a list of token-id lists) are parsed to be
+    # refused by name.
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        description="the prompt: its text, or its token ids (see `POST /tokenize`)",
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string"},
+                _strings(min_items=1, max_items=1),
+                TOKEN_IDS_SCHEMA,
+            ]
+        },
     )
     logprobs: TopLogprobs | None = Field(
         default=None, description="log probabilities, with this many alternatives a token"
@@ -244,14 +263,33 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, list) and len(v) != 1:
+    def _single_prompt(
+        cls, v: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt is empty")
+        if isinstance(v, list) and isinstance(v[0], list):
+            raise ValueError(
+                "exactly one prompt is supported per request; send its token ids as one flat list"
+            )
+        if isinstance(v, list) and isinstance(v[0], str) and len(v) != 1:
             raise ValueError("exactly one prompt is supported per request")
         return v
 
     @property
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompt_text(self) -> str | None:
+        """The prompt as text; None when it came as token ids."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        first = self.prompt[0]
+        return first if isinstance(first, str) else None
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...] | None:
+        """The prompt as token ids, when it came so."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], int):
+            return tuple(t for t in self.prompt if isinstance(t, int))
+        return None
 
 
 class PredictRequest(ChatLogprobFields):
@@ -290,6 +328,44 @@ class PredictRequest(ChatLogprobFields):
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+
+class TokenizeBody(BaseModel):
+    """``POST /tokenize``: ``prompt``, or ``messages`` rendered with the chat template."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        },
+    )
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    add_generation_prompt: bool = Field(
+        default=True, description="with `messages`: end with the assistant turn's opening"
+    )
+    chat_template: str | None = Field(
+        default=None, description="with `messages`: a Jinja template instead of the model's"
+    )
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeBody(BaseModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 def error_param(loc: tuple[Any, ...]) -> str | None:
@@ -443,6 +519,16 @@ class CompletionChunk(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: CompletionUsage | None = None
+
+
+class Tokenized(_Response):
+    tokens: list[int] = Field(description="the prompt's token ids")
+    count: int = Field(ge=0, description="how many tokens")
+    max_model_len: int = Field(ge=0, description="tokens a sequence may hold, prompt included")
+
+
+class Detokenized(_Response):
+    prompt: str = Field(description="the text of the tokens")
 
 
 class ModelCard(_Response):

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableError
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
+from tokenmill.server import serving
 from tokenmill.server.errors import from_validation_error, read_body
 from tokenmill.server.openapi import (
     USAGE_LINK,
@@ -35,10 +36,14 @@ from tokenmill.server.protocol import (
     CompletionRequest,
     DeploymentInfo,
     DeploymentList,
+    DetokenizeBody,
+    Detokenized,
     ModelCard,
     ModelList,
     PredictRequest,
     SamplingFields,
+    TokenizeBody,
+    Tokenized,
 )
 from tokenmill.server.serving import Generation, Route, open_generation
 from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
@@ -96,6 +101,7 @@ async def _generate(
     deployment: Deployment,
     *,
     prompt: str | None = None,
+    prompt_tokens: tuple[int, ...] | None = None,
     messages: Any = None,
 ) -> Response:
     gw = gateway_of(request)
@@ -107,6 +113,7 @@ async def _generate(
         request.state.request_id,
         request.state.caller,
         prompt=prompt,
+        prompt_tokens=prompt_tokens,
         messages=messages,
     )
     return await respond(request, gen, body.stream)
@@ -150,7 +157,34 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     body = await parse(request, CompletionRequest)
     deployment = gateway_of(request).deployment(body.model)
-    return await _generate(request, body, "completion", deployment, prompt=body.prompt_text)
+    return await _generate(
+        request,
+        body,
+        "completion",
+        deployment,
+        prompt=body.prompt_text,
+        prompt_tokens=body.prompt_tokens,
+    )
+
+
+@router.post(
+    "/tokenize",
+    openapi_extra=json_body(TokenizeBody),
+    responses={**errors(400, 404, 413, 503)},
+)
+async def tokenize(request: Request) -> Tokenized:
+    body = await parse(request, TokenizeBody)
+    return await serving.tokenize(gateway_of(request).deployment(body.model), body)
+
+
+@router.post(
+    "/detokenize",
+    openapi_extra=json_body(DetokenizeBody),
+    responses={**errors(400, 404, 413, 503)},
+)
+async def detokenize(request: Request) -> Detokenized:
+    body = await parse(request, DetokenizeBody)
+    return await serving.detokenize(gateway_of(request).deployment(body.model), body)
 
 
 async def _predict(request: Request, deployment_id: str, stream: bool) -> Response:

@@ -2,7 +2,8 @@
 
 Knows the OpenAI response formats; knows nothing of routes. ``open_generation``
 returns a :class:`Generation`; the router streams it as SSE (``events``) or awaits
-``collect`` for one JSON body.
+``collect`` for one JSON body. ``tokenize`` and ``detokenize`` answer vLLM's
+``/tokenize`` and ``/detokenize`` with the deployment's own tokenizer.
 """
 
 from __future__ import annotations
@@ -12,12 +13,25 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokenmill.engines.base import GenerationRequest, TokenLogprob, Usage
-from tokenmill.errors import TokenmillError
+from tokenmill.engines.base import (
+    GenerationRequest,
+    TokenizeRequest,
+    TokenizingEngine,
+    TokenLogprob,
+    Usage,
+)
+from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.gateway.core import Gateway, RequestStream
 from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.metering import Caller
-from tokenmill.server.protocol import Message, SamplingFields
+from tokenmill.server.protocol import (
+    DetokenizeBody,
+    Detokenized,
+    Message,
+    SamplingFields,
+    TokenizeBody,
+    Tokenized,
+)
 from tokenmill.server.sse import DONE, encode_event
 
 Route = Literal["chat", "completion"]
@@ -209,6 +223,7 @@ async def open_generation(
     caller: Caller,
     *,
     prompt: str | None = None,
+    prompt_tokens: tuple[int, ...] | None = None,
     messages: list[Message] | None = None,
 ) -> Generation:
     """Build the engine request and open it through the gateway (may raise)."""
@@ -222,6 +237,7 @@ async def open_generation(
         request_id=request_id,
         sampling=body.sampling_params(body.max_tokens or 0),
         prompt=prompt,
+        prompt_tokens=prompt_tokens,
         messages=chat,
         chat_template=body.chat_template,
     )
@@ -234,3 +250,34 @@ async def open_generation(
         created=int(time.time()),
         logprobs=body.logprob_alternatives() is not None,
     )
+
+
+async def _tokenizer(deployment: Deployment) -> TokenizingEngine:
+    engine = await deployment.any_engine()
+    if not isinstance(engine, TokenizingEngine):
+        raise InvalidRequestError(
+            f"deployment {deployment.id!r} ({engine.name}) has no tokenizer to use",
+            param="model",
+        )
+    return engine
+
+
+async def tokenize(deployment: Deployment, body: TokenizeBody) -> Tokenized:
+    """The prompt's token ids, as a generation with the same prompt would see them."""
+    engine = await _tokenizer(deployment)
+    messages = None
+    if body.messages is not None:
+        messages = tuple(m.to_chat_message() for m in body.messages)
+    request = TokenizeRequest(
+        prompt=body.prompt,
+        messages=messages,
+        chat_template=body.chat_template,
+        add_generation_prompt=body.add_generation_prompt,
+    )
+    tokens = await engine.tokenize(request)
+    return Tokenized(tokens=tokens, count=len(tokens), max_model_len=engine.context_length())
+
+
+async def detokenize(deployment: Deployment, body: DetokenizeBody) -> Detokenized:
+    engine = await _tokenizer(deployment)
+    return Detokenized(prompt=await engine.detokenize(body.tokens))

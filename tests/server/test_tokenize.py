@@ -1,0 +1,183 @@
+"""``/tokenize``, ``/detokenize`` and completions from token ids, over HTTP.
+
+One gateway holds every kind of deployment that can tokenize: llama.cpp in a replica
+process (the default) and in the gateway's own process, an upstream proxy with a
+``tokenizer`` and one without. The oracle for a token count is the engine's own
+``usage.prompt_tokens`` for the same prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess, launch
+from tests.server.test_bad_input import assert_error
+
+PROMPT = "The three primary colours are"
+ASK = [{"role": "user", "content": "Write one sentence about the sea."}]
+# Nothing listens there: tokenizing an upstream deployment never calls it.
+NOWHERE = "http://127.0.0.1:9/v1"
+CONFIG = f"""
+[[deployments]]
+id = "smollm2"
+max_num_seqs = 2
+n_ctx = 1024
+n_threads = 1
+
+[[deployments]]
+id = "inproc"
+isolated = false
+max_num_seqs = 1
+n_ctx = 512
+n_threads = 1
+
+[[deployments]]
+id = "counted"
+engine = "upstream"
+url = "{NOWHERE}"
+tokenizer = "embedded"
+n_ctx = 4096
+
+[[deployments]]
+id = "estimated"
+engine = "upstream"
+url = "{NOWHERE}"
+"""
+LLAMACPP = {"smollm2": 1024, "inproc": 512}
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = launch(tmp_path_factory.mktemp("tokenize"), config=CONFIG)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def http(gw: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=gw.url, timeout=60.0) as c:
+        yield c
+
+
+def ok(r: httpx.Response) -> Any:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def prompt_tokens(http: httpx.Client, model: str, **body: Any) -> int:
+    """The engine's own count: ``usage.prompt_tokens`` of a one-token generation."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    usage = ok(http.post(path, json={"model": model, "max_tokens": 1, **body}))["usage"]
+    return int(usage["prompt_tokens"])
+
+
+@pytest.mark.parametrize("model", list(LLAMACPP))
+def test_tokenize_counts_what_a_generation_counts_and_detokenize_inverts_it(
+    http: httpx.Client, model: str
+) -> None:
+    got = ok(http.post("/tokenize", json={"model": model, "prompt": PROMPT}))
+    assert got["count"] == len(got["tokens"]) == prompt_tokens(http, model, prompt=PROMPT)
+    assert got["max_model_len"] == LLAMACPP[model]
+    assert ok(http.post("/detokenize", json={"model": model, "tokens": got["tokens"]})) == {
+        "prompt": PROMPT
+    }
+
+
+@pytest.mark.parametrize("model", list(LLAMACPP))
+def test_tokenize_messages_renders_the_chat_template(http: httpx.Client, model: str) -> None:
+    chat = ok(http.post("/tokenize", json={"model": model, "messages": ASK}))
+    assert chat["count"] == prompt_tokens(http, model, messages=ASK)
+    bare = ok(
+        http.post(
+            "/tokenize", json={"model": model, "messages": ASK, "add_generation_prompt": False}
+        )
+    )
+    # Without the generation prompt: the same tokens, less the assistant turn's opening.
+    assert 0 < bare["count"] < chat["count"]
+    assert chat["tokens"][: bare["count"]] == bare["tokens"]
+    text = ok(http.post("/detokenize", json={"model": model, "tokens": chat["tokens"]}))
+    assert text["prompt"].endswith("assistant\n")
+    assert ASK[0]["content"] in text["prompt"]
+
+
+def test_an_upstream_tokenizes_with_its_tokenizer_or_says_it_has_none(
+    http: httpx.Client,
+) -> None:
+    local = ok(http.post("/tokenize", json={"model": "smollm2", "messages": ASK}))
+    counted = ok(http.post("/tokenize", json={"model": "counted", "messages": ASK}))
+    assert counted == {**local, "max_model_len": 4096}
+    text = ok(http.post("/detokenize", json={"model": "counted", "tokens": local["tokens"]}))
+    assert text == ok(http.post("/detokenize", json={"model": "smollm2", **local}))
+
+    for path, body in (("/tokenize", {"prompt": PROMPT}), ("/detokenize", {"tokens": [1]})):
+        err = assert_error(http.post(path, json={"model": "estimated", **body}), 400)
+        assert err["param"] == "model" and "tokenizer" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_an_unknown_model_is_a_404(http: httpx.Client, path: str) -> None:
+    body = {"model": "nope", "prompt": PROMPT, "tokens": [1]}
+    err = assert_error(http.post(path, json=body), 404)
+    assert err["param"] == "model"
+
+
+@pytest.mark.parametrize("model", list(LLAMACPP))
+@pytest.mark.parametrize("tokens", [[1, 49152], [1 << 40], [-1], [True], ["1"], 1, []])
+def test_token_ids_outside_the_vocabulary_are_refused_by_name(
+    http: httpx.Client, model: str, tokens: Any
+) -> None:
+    r = http.post("/detokenize", json={"model": model, "tokens": tokens})
+    if tokens == []:
+        assert ok(r) == {"prompt": ""}
+        return
+    assert assert_error(r, 400)["param"].startswith("tokens")
+
+
+def test_tokenize_needs_exactly_one_of_prompt_and_messages(http: httpx.Client) -> None:
+    assert_error(http.post("/tokenize", json={"model": "smollm2"}), 400)
+    both = {"model": "smollm2", "prompt": PROMPT, "messages": ASK}
+    assert_error(http.post("/tokenize", json=both), 400)
+
+
+@pytest.mark.parametrize("model", list(LLAMACPP))
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_of_token_ids_completes_as_its_text_does(
+    gw: ServerProcess, http: httpx.Client, model: str, stream: bool
+) -> None:
+    tokens = ok(http.post("/tokenize", json={"model": model, "prompt": PROMPT}))["tokens"]
+    client = openai.OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0)
+
+    def complete(prompt: str | list[int]) -> tuple[str, int]:
+        args: dict[str, Any] = {"model": model, "max_tokens": 8, "temperature": 0}
+        if not stream:
+            r = client.completions.create(prompt=prompt, **args)
+            assert r.usage is not None
+            return r.choices[0].text, r.usage.prompt_tokens
+        chunks = list(
+            client.completions.create(
+                prompt=prompt, stream=True, stream_options={"include_usage": True}, **args
+            )
+        )
+        usage = chunks[-1].usage
+        assert usage is not None
+        return "".join(c.choices[0].text for c in chunks if c.choices), usage.prompt_tokens
+
+    text, n = complete(PROMPT)
+    assert text and n == len(tokens)
+    assert complete(tokens) == (text, n)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[[1, 2], [3]], [[1, 2]], ["a", "b"], [1, 49152], [1, -1], [1, True], []],
+)
+def test_several_prompts_or_bad_token_ids_are_refused_naming_prompt(
+    http: httpx.Client, prompt: Any
+) -> None:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 1}
+    assert assert_error(http.post("/v1/completions", json=body), 400)["param"].startswith("prompt")
