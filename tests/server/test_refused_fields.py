@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import ServerProcess
 from tests.server.test_bad_input import assert_error
+from tokenmill.server.protocol import CompletionRequest
 from tokenmill.server.refused import NO_OPS, REFUSED
 
 HI = [{"role": "user", "content": "hi"}]
@@ -41,6 +42,8 @@ def test_refused_field_is_400_naming_it(
     value = ASKS.get(field, {"asked": 1})
     err = assert_error(http.post(path, json={**base, "max_tokens": 1, field: value}), 400, field)
     assert err["type"] == "invalid_request_error"
+    if path == "/v1/completions" and field in CompletionRequest.IMPLEMENTED:
+        return  # implemented there (echo): an object is just not a valid value
     assert err["code"] == "unsupported_parameter"
     assert "does not support" in err["message"]
 

@@ -181,3 +181,21 @@ def test_several_prompts_or_bad_token_ids_are_refused_naming_prompt(
 ) -> None:
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": 1}
     assert assert_error(http.post("/v1/completions", json=body), 400)["param"].startswith("prompt")
+
+
+def test_an_upstream_refuses_echo_by_name(http: httpx.Client) -> None:
+    body = {"model": "estimated", "prompt": PROMPT, "max_tokens": 1, "echo": True}
+    assert_error(http.post("/v1/completions", json=body), 400, "echo")
+
+
+@pytest.mark.parametrize("model", list(LLAMACPP))
+def test_echo_with_logprobs_in_either_kind_of_replica(http: httpx.Client, model: str) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    plain = ok(http.post("/v1/completions", json=body))["choices"][0]
+    echoed = ok(http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}))
+    choice = echoed["choices"][0]
+    assert choice["text"] == PROMPT + plain["text"]
+    n = ok(http.post("/tokenize", json={"model": model, "prompt": PROMPT}))["count"]
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert len(logprobs) == n + 3 and logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs[1:])

@@ -49,6 +49,9 @@ class SamplingParams:
     # Report each token's log probability and this many most likely alternatives
     # (None: no log probabilities).
     logprobs: int | None = None
+    # The first chunk is the prompt: its text and, with ``logprobs``, its tokens'
+    # (the first token's log probability is None: nothing came before it).
+    echo: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +122,12 @@ class TokenLogprob:
 
     Log probabilities are of the model's own distribution (a log-softmax of the
     logits), before any sampling step (penalties, logit_bias, temperature) changes it.
-    ``offset`` is where the token's text starts in the completion's text, in characters.
+    ``offset`` is where the token's text starts in the completion's text, in characters
+    (in the prompt's, for the tokens of an echoed prompt).
     """
 
     piece: bytes
-    logprob: float
+    logprob: float | None  # None: the first token of an echoed prompt
     offset: int
     top: tuple[TopLogprob, ...] = ()
 
@@ -131,6 +135,10 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """A text delta. The last chunk of a stream has ``finish_reason`` and ``usage``.
+
+    With ``echo`` asked for, the first chunk is the prompt's text (and its tokens, with
+    ``logprobs``); ``tokens`` counts none of them. An engine that cannot echo refuses
+    the request before its first chunk (``InvalidRequestError`` naming ``echo``).
 
     With ``logprobs`` asked for, ``logprobs`` holds the tokens whose text this chunk
     completes: a token leaves with its text, never before it (text held back for a

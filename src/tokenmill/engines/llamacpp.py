@@ -19,6 +19,7 @@ tokenmill``.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import collections
 import contextlib
 import logging
@@ -44,12 +45,13 @@ from tokenmill.engines.base import (
     SamplingParams,
     StepSink,
     TokenizeRequest,
+    TokenLogprob,
     TopLogprob,
     Usage,
 )
 from tokenmill.engines.chunks import ChunkQueue, ChunkReader
 from tokenmill.engines.embedded import embedded_model_path
-from tokenmill.engines.logprobs import TokenAligner
+from tokenmill.engines.logprobs import TokenAligner, finite
 from tokenmill.engines.textstream import TextStream
 from tokenmill.engines.threads import ThreadTuner, available_cpus
 from tokenmill.engines.vocab import Vocab, init_backend
@@ -91,6 +93,11 @@ class _Sequence:
     done: bool = False
     # Tokens waiting for their text, when log probabilities were asked for.
     aligner: TokenAligner | None = None
+    # The prompt's text goes out before the first sampled token (``echo``).
+    echo_pending: bool = False
+    # With echo and logprobs: (log probability, alternatives) of prompt tokens 1..n-1,
+    # read from logits of every prompt row (see ``_step``); None: not collected.
+    prompt_logprobs: list[tuple[float, tuple[TopLogprob, ...]]] | None = None
 
 
 @dataclass(slots=True)
@@ -301,6 +308,7 @@ class LlamaCppEngine:
         tokens = self._prepared.take(request.request_id)
         if tokens is None:
             tokens = self._prompt_tokens(request)
+        echo = request.sampling.echo
         seq = _Sequence(
             request_id=request.request_id,
             prompt=tokens,
@@ -308,6 +316,8 @@ class LlamaCppEngine:
             deliver=deliver,
             stream=TextStream(request.sampling.stop),
             aligner=None if request.sampling.logprobs is None else TokenAligner(),
+            echo_pending=echo,
+            prompt_logprobs=[] if echo and request.sampling.logprobs is not None else None,
         )
         with self._cv:
             if self._failed is not None:
@@ -471,6 +481,10 @@ class LlamaCppEngine:
         """
         busy = [slot.seq is not None for slot in self._slots]
         shared = [_common_prefix(slot.tokens, seq.prompt) for slot in self._slots]
+        if seq.prompt_logprobs is not None:
+            # Its prompt's log probabilities need logits of every prompt row: a cached
+            # prefix would skip computing them.
+            shared = [0] * len(shared)
         n = len(busy)
 
         def placement(i: int) -> tuple[int, int, int]:
@@ -586,6 +600,8 @@ class LlamaCppEngine:
         # in any other order the same tokens cost up to one pass per sequence.
         n = 0
         outputs: list[tuple[_Sequence, int]] = []
+        # (sequence, batch row) of prompt rows whose logits give the prompt's logprobs.
+        prompt_rows: list[tuple[_Sequence, int]] = []
         for seq in sorted(self._running.values(), key=_by_slot):
             if seq.n_past >= len(seq.prompt):
                 _batch_add(batch, n, seq.last_token, seq.n_past, seq.slot, True)
@@ -596,11 +612,14 @@ class LlamaCppEngine:
             if take == 0:
                 continue
             start, end = seq.n_past, seq.n_past + take
+            collect = seq.prompt_logprobs is not None
             for i in range(start, end):
                 last = i == len(seq.prompt) - 1
-                _batch_add(batch, n, seq.prompt[i], i, seq.slot, last)
+                _batch_add(batch, n, seq.prompt[i], i, seq.slot, last or collect)
                 if last:
                     outputs.append((seq, n))
+                elif collect:
+                    prompt_rows.append((seq, n))
                 n += 1
             seq.n_past = end
             self._slots[seq.slot].tokens.extend(seq.prompt[start:end])
@@ -623,7 +642,16 @@ class LlamaCppEngine:
             tuner.observe(threads, n, time.monotonic() - started)
         self.steps += 1
         vocab = self.vocab
+        for seq, idx in prompt_rows:
+            assert seq.prompt_logprobs is not None
+            row = self._log_softmax(idx)
+            token = seq.prompt[len(seq.prompt_logprobs) + 1]  # the token this row predicts
+            top = self._top(row, seq.sampling.logprobs or 0)
+            seq.prompt_logprobs.append((finite(float(row[token])), top))
         for seq, idx in outputs:
+            if seq.echo_pending:
+                seq.echo_pending = False
+                events.append((seq, self._echo(seq)))
             # Read before sampling: the model's own distribution, untouched by it.
             logprobs = None if seq.aligner is None else self._log_softmax(idx)
             token = ll.llama_sampler_sample(seq.sampler, self._ctx, idx)
@@ -652,6 +680,24 @@ class LlamaCppEngine:
                 released = () if seq.aligner is None else seq.aligner.release(len(text))
                 if text or released:
                     events.append((seq, Chunk(text, tokens=seq.generated, logprobs=released)))
+
+    def _echo(self, seq: _Sequence) -> Chunk:
+        """The prompt as a chunk: its text, and its tokens' log probabilities if asked."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        parts: list[str] = []
+        tokens: list[TokenLogprob] = []
+        chars = 0
+        collected = seq.prompt_logprobs
+        for i, token in enumerate(seq.prompt):
+            piece = self.vocab.piece(token, special=True)
+            if collected is not None:
+                logprob, top = (None, ()) if i == 0 else collected[i - 1]
+                tokens.append(TokenLogprob(piece, logprob, chars, top))
+            text = decoder.decode(piece)
+            parts.append(text)
+            chars += len(text)
+        parts.append(decoder.decode(b"", final=True))
+        return Chunk("".join(parts), logprobs=tuple(tokens))
 
     def _log_softmax(self, idx: int) -> Any:
         """Log probabilities of the next token at batch output ``idx``, from the raw logits."""

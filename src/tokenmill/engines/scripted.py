@@ -171,6 +171,8 @@ class ScriptedEngine:
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
         await self.start()
+        if request.sampling.echo:
+            raise InvalidRequestError("the scripted engine does not echo", param="echo")
         n_prompt = count_words(prompt_text(request))
         if n_prompt == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")

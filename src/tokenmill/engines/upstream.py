@@ -165,6 +165,13 @@ class UpstreamEngine:
             tokenizer.close()
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
+        if request.sampling.echo:
+            # Upstreams answer echo each their own way (or not at all).
+            raise InvalidRequestError(
+                f"deployment {self.config.id!r} proxies another server and cannot echo the "
+                "prompt; leave 'echo' out or pick a llamacpp model",
+                param="echo",
+            )
         if self._client is None:
             await self.start()
         n = await self._count_prompt(request)

@@ -99,13 +99,14 @@ class Vocab:
             n = ll.llama_tokenize(self.handle, data, len(data), buf, -n, special, special)
         return list(buf[:n])
 
-    def piece(self, token: int) -> bytes:
-        """The bytes one token stands for (possibly part of a UTF-8 character)."""
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes one token stands for (possibly part of a UTF-8 character);
+        ``special`` writes control tokens out (``<|im_start|>``), else they are empty."""
         buf = self._piece_buf
-        n = ll.llama_token_to_piece(self.handle, token, buf, len(buf), 0, False)
+        n = ll.llama_token_to_piece(self.handle, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = ll.llama_token_to_piece(self.handle, token, buf, len(buf), 0, False)
+            n = ll.llama_token_to_piece(self.handle, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:

@@ -9,7 +9,7 @@ not know.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -199,7 +199,12 @@ class SamplingFields(RefusedFields):
             ignore_eos=self.ignore_eos,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             logprobs=self.logprob_alternatives(),
+            echo=self.echoes(),
         )
+
+    def echoes(self) -> bool:
+        """Whether the prompt is to come back before the completion (completions only)."""
+        return False
 
 
 class ChatLogprobFields(SamplingFields):
@@ -257,9 +262,17 @@ class CompletionRequest(SamplingFields):
     logprobs: TopLogprobs | None = Field(
         default=None, description="log probabilities, with this many alternatives a token"
     )
+    echo: bool = Field(
+        default=False,
+        description="the prompt before the completion (with `logprobs`, its tokens' too)",
+    )
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo"})
 
     def logprob_alternatives(self) -> int | None:
         return self.logprobs
+
+    def echoes(self) -> bool:
+        return self.echo
 
     @field_validator("prompt")
     @classmethod

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -72,7 +72,7 @@ def _const_schema(value: Any) -> dict[str, Any]:
 
 # The fields of every generation endpoint that tokenmill refuses unless neutral.
 REFUSED: dict[str, Refused] = {
-    "echo": Refused("echoing the prompt", (False,)),
+    "echo": Refused("echoing the prompt outside /v1/completions", (False,)),
     "best_of": Refused("best-of sampling", (1,)),
     "suffix": Refused("insertion (a suffix)", ("",)),
     "response_format": Refused("structured output", ({"type": "text"},)),
@@ -132,7 +132,13 @@ def _refused_field(name: str) -> Any:
 
 
 class RefusedFields(BaseModel):
-    """The refused fields, declared so that the schema and the 400s name them."""
+    """The refused fields, declared so that the schema and the 400s name them.
+
+    A request model that implements one of them (completions' ``echo``) declares it
+    anew and names it in ``IMPLEMENTED``.
+    """
+
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()
 
     echo: Any = _refused_field("echo")
     best_of: Any = _refused_field("best_of")
@@ -183,6 +189,8 @@ class RefusedFields(BaseModel):
     def _neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
         name = info.field_name
         assert name is not None
+        if name in cls.IMPLEMENTED:
+            return value
         spec = REFUSED[name]
         if not spec.accepts(value):
             neutral = " or ".join(json.dumps(n) for n in spec.neutral)

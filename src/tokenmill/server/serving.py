@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from tokenmill.engines.base import (
@@ -69,9 +69,15 @@ def chat_logprobs(tokens: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict
 def completion_logprobs(
     tokens: tuple[TokenLogprob, ...] | list[TokenLogprob], offset: int = 0
 ) -> dict[str, Any]:
-    """A completion's ``logprobs``: the sampled token is always among ``top_logprobs``."""
+    """A completion's ``logprobs``: the sampled token is always among ``top_logprobs``.
+
+    An echoed prompt's first token has neither a log probability nor alternatives.
+    """
     top: list[dict[str, float] | None] = []
     for t in tokens:
+        if t.logprob is None:
+            top.append(None)
+            continue
         alternatives = {_text(a.piece): a.logprob for a in t.top}
         alternatives.setdefault(_text(t.piece), t.logprob)
         top.append(alternatives)
@@ -96,6 +102,9 @@ class Generation:
     include_usage: bool
     created: int
     logprobs: bool = False
+    # The stream's first chunk is the prompt (``echo``): it goes out first, and the
+    # completion's text offsets count from the prompt's start.
+    echo: bool = False
 
     @property
     def request_id(self) -> str:
@@ -150,9 +159,16 @@ class Generation:
                         "finish_reason": None,
                     }
                 )
+            prompt = self.echo
+            base = 0
             async for chunk in self.stream:
-                if chunk.text or chunk.logprobs:
+                if prompt:
+                    prompt = False
+                    base = len(chunk.text)
                     yield self._text_frame(chunk.text, tokens=chunk.logprobs)
+                    continue
+                if chunk.text or chunk.logprobs:
+                    yield self._text_frame(chunk.text, tokens=_shifted(chunk.logprobs, base))
                 if chunk.finish_reason is not None:
                     yield self._text_frame("", _public_reason(chunk.finish_reason))
             if self.include_usage:
@@ -177,7 +193,14 @@ class Generation:
         parts: list[str] = []
         tokens: list[TokenLogprob] = []
         reason: str | None = None
+        prompt = self.echo
+        base = 0
         async for chunk in self.stream:
+            if prompt:
+                prompt = False
+                base = len(chunk.text)
+            else:
+                chunk = replace(chunk, logprobs=_shifted(chunk.logprobs, base))
             if chunk.text:
                 parts.append(chunk.text)
             tokens.extend(chunk.logprobs)
@@ -204,6 +227,13 @@ class Generation:
             "choices": [choice],
             "usage": usage_body(self.stream.usage, self.stream.prompt_tokens),
         }
+
+
+def _shifted(tokens: tuple[TokenLogprob, ...], chars: int) -> tuple[TokenLogprob, ...]:
+    """``tokens`` with their text offsets moved ``chars`` on (past an echoed prompt)."""
+    if not chars:
+        return tokens
+    return tuple(replace(t, offset=t.offset + chars) for t in tokens)
 
 
 def _public_reason(reason: str | None) -> str | None:
@@ -249,6 +279,7 @@ async def open_generation(
         include_usage=body.include_usage,
         created=int(time.time()),
         logprobs=body.logprob_alternatives() is not None,
+        echo=request.sampling.echo,
     )
 
 
