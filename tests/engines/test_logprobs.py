@@ -18,7 +18,7 @@ def run(pieces: list[bytes], stop: tuple[str, ...]) -> list[tuple[str, tuple[Tok
     out = []
     for i, piece in enumerate(pieces):
         text = stream.feed(piece)
-        aligner.add(piece, -float(i), (), stream.decoded)
+        aligner.add(piece, -float(i), (), stream.decoded, stream.partial)
         out.append((text, aligner.release(len(text))))
         if stream.stopped:
             return out
@@ -65,6 +65,15 @@ def test_a_character_split_across_tokens_leaves_with_the_token_that_ends_it() ->
     assert chunks[2][0] == "€"
     assert [tok.piece for tok in chunks[2][1]] == [euro[:1], euro[1:]]
     assert [tok.offset for tok in chunks[2][1]] == [1, 1]
+
+
+def test_a_token_ending_inside_a_stop_string_is_not_reported() -> None:
+    # One token holds "a€" and the first byte of "é"; the next completes "é", which is
+    # the stop string: "a€" is returned, but the first token's text never was in full.
+    data = "a€é".encode()
+    chunks = run([data[:5], data[5:]], ("é",))
+    assert "".join(text for text, _ in chunks) == "a€"
+    assert [tok for _, toks in chunks for tok in toks] == []
 
 
 def test_no_infinite_logprobs() -> None:

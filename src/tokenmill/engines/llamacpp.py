@@ -669,7 +669,8 @@ class LlamaCppEngine:
             text = seq.stream.feed(piece)
             if seq.aligner is not None and logprobs is not None:
                 top = self._top(logprobs, seq.sampling.logprobs or 0)
-                seq.aligner.add(piece, float(logprobs[token]), top, seq.stream.decoded)
+                stream = seq.stream
+                seq.aligner.add(piece, float(logprobs[token]), top, stream.decoded, stream.partial)
             if seq.stream.stopped:
                 self._finish(seq, "stop", events, text)
             elif seq.generated >= seq.sampling.max_tokens or (

@@ -42,11 +42,20 @@ class TokenAligner:
         self._decoded = 0  # characters decoded so far (emitted or not)
         self._emitted = 0  # characters emitted so far
 
-    def add(self, piece: bytes, logprob: float, top: tuple[TopLogprob, ...], decoded: int) -> None:
-        """A sampled token; ``decoded`` counts the characters decoded once it is fed.
+    def add(
+        self,
+        piece: bytes,
+        logprob: float,
+        top: tuple[TopLogprob, ...],
+        decoded: int,
+        partial: bool = False,
+    ) -> None:
+        """A sampled token; ``decoded`` counts the characters decoded once it is fed,
+        and ``partial`` says its bytes end inside the next character.
 
-        A token that ends inside a character (its bytes decode to nothing yet) is
-        completed by the token that finishes the character, and leaves with it.
+        A token that ends inside a character is completed by the token that finishes
+        the character, and leaves with that character: never before it (a stop string
+        may begin at that character, and then the token's text was never all sent).
         """
         start = self._decoded
         token = TokenLogprob(piece, finite(logprob), start, top)
@@ -57,7 +66,8 @@ class TokenAligner:
                 waiting.end = decoded  # an earlier part of the same character
         # Part of a character: it waits for that character, which starts at ``start``
         # (and is dropped with it if the character is never completed).
-        self._pending.append(_Waiting(token, max(decoded, start + 1)))
+        end = decoded + 1 if partial else max(decoded, start + 1)
+        self._pending.append(_Waiting(token, end))
         self._decoded = decoded
 
     def release(self, emitted: int) -> tuple[TokenLogprob, ...]:

@@ -56,6 +56,11 @@ class TextStream:
         self._pending = pending[len(pending) - hold :] if hold else ""
         return pending[: len(pending) - hold]
 
+    @property
+    def partial(self) -> bool:
+        """Whether the bytes fed so far end inside a character (its first bytes held)."""
+        return bool(self._decoder.getstate()[0])
+
     def finish(self) -> str:
         """End of generation: flush what was held back (no stop string can follow).
 
