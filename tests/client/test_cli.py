@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pexpect  # type: ignore[import-untyped]
 
 from tests.client.conftest import LONG_PROMPT
 from tests.conftest import ServerProcess, free_port
+from tests.driver import EngineDriver, scripted_deployment
 from tokenmill import Client
 from tokenmill.client.cli import PROMPT
 
@@ -71,32 +73,35 @@ def _clean(text: str) -> str:
     return text.replace("\r\n", "\n").strip()
 
 
-def test_chat_session_interrupt_and_leave(server: ServerProcess) -> None:
-    # Long enough that Ctrl-C lands while it streams: with the prompt cached from the
-    # reference call, a short answer can be complete before the interrupt arrives.
-    with Client(server.url) as client:
-        full = client.chat(LONG_PROMPT, max_tokens=256, temperature=0.0)
-    assert full.finish_reason == "length"  # the answer is long enough to interrupt
-
-    child = _spawn("--url", server.url, "--max-tokens", "256", "--temperature", "0")
+def test_chat_session_interrupt_and_leave(
+    start_server: Callable[..., ServerProcess], driver: EngineDriver
+) -> None:
+    # A scripted deployment: the answer streams exactly what the test emits and never
+    # ends by itself, so Ctrl-C lands mid-stream however slow the machine.
+    srv = start_server(config=scripted_deployment(driver))
+    child = _spawn("--url", srv.url, "--max-tokens", "256")
     try:
-        # Turn 1: Ctrl-C as soon as the answer starts stops it and stays in the chat.
+        # Turn 1: Ctrl-C while the answer streams stops it and stays in the chat.
         child.sendline(LONG_PROMPT)
         child.expect_exact(LONG_PROMPT + "\r\n")  # the terminal's echo of the line
-        child.expect(r"\w")
-        first = child.after
+        first = driver.wait("started")["id"]
+        driver.emit(first, 3)
+        child.expect_exact(" w1 w2 w3")
         child.sendintr()
         child.expect_exact("[interrupted]")
-        partial = _clean(first + child.before.replace("^C", ""))  # the terminal echoes ^C
-        assert partial and full.text.startswith(partial)
-        assert len(partial) < len(full.text.strip())
+        aborted = driver.wait("aborted", first)  # generation stopped in the engine
+        assert aborted["tokens"] == 3
         child.expect_exact(PROMPT)
 
         # Turn 2 follows on and is answered in full.
         child.sendline("Thanks!")
         child.expect_exact("Thanks!\r\n")
+        second = driver.wait("started", count=2)
+        assert "Thanks!" in second["prompt"]
+        driver.emit(second["id"], 2)
+        driver.finish(second["id"])
         child.expect_exact(PROMPT)
-        assert _clean(child.before)
+        assert " w1 w2" in child.before
         assert "[interrupted]" not in child.before and "error" not in child.before
 
         # Ctrl-C at the prompt just gives a fresh prompt; Ctrl-D leaves with status 0.
