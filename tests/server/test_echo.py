@@ -8,6 +8,7 @@ Reported log probabilities are the model's own, before logit_bias moves them.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -23,8 +24,9 @@ TOLERANCE = 1e-3
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def complete(client: openai.OpenAI, stream: bool, **extra: Any) -> tuple[str, Any, Any]:

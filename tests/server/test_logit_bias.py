@@ -29,8 +29,9 @@ def token_id(tokenizer: GgufTokenizer, text: str) -> int:
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def test_bias_100_forces_the_token(client: openai.OpenAI, tokenizer: GgufTokenizer) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,8 +19,9 @@ PROMPT = "The three primary colours are"
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def chat(client: openai.OpenAI, stream: bool, **extra: Any) -> tuple[str, list[Any], Any]:

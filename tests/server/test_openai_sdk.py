@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -12,13 +14,15 @@ MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name 
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as c:
+        yield c
 
 
 @pytest.fixture
-def aclient(server: ServerProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+async def aclient(server: ServerProcess) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def test_chat_non_streamed(client: openai.OpenAI) -> None:

@@ -67,8 +67,10 @@ def test_json_true_is_not_a_neutral_one(http: httpx.Client) -> None:
 
 
 def test_the_openai_sdk_sees_the_refused_parameter(server: ServerProcess) -> None:
-    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as caught:
+    with (
+        openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as client,
+        pytest.raises(openai.BadRequestError) as caught,
+    ):
         client.chat.completions.create(
             model="smollm2",
             messages=[{"role": "user", "content": "hi"}],  # typed as the SDK's params

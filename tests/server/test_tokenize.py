@@ -167,9 +167,10 @@ def test_a_prompt_of_token_ids_completes_as_its_text_does(
         assert usage is not None
         return "".join(c.choices[0].text for c in chunks if c.choices), usage.prompt_tokens
 
-    text, n = complete(PROMPT)
-    assert text and n == len(tokens)
-    assert complete(tokens) == (text, n)
+    with client:
+        text, n = complete(PROMPT)
+        assert text and n == len(tokens)
+        assert complete(tokens) == (text, n)
 
 
 @pytest.mark.parametrize(
