@@ -9,6 +9,7 @@ the point, a test asserts the order (see ``tests/driver.py``), not a duration.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -44,3 +45,22 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"gave up after {timeout:g}s waiting for {what}; last: {value!r}")
         time.sleep(interval)
+
+
+async def wait_until_async(
+    check: Callable[[], T | None],
+    what: str,
+    *,
+    limit_s: float = HANG_S,
+    interval: float = POLL_S,
+) -> T:
+    """:func:`wait_until` for a test on the event loop: polls without blocking it."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = check()
+        if value:
+            assert value is not None
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {limit_s:g}s waiting for {what}; last: {value!r}")
+        await asyncio.sleep(interval)

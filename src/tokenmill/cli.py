@@ -8,32 +8,44 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tokenmill.config import DEFAULT_DEPLOYMENT_ID, ConfigError, DeploymentConfig, load_settings
+from tokenmill.config import (
+    DEFAULT_DEPLOYMENT_ID,
+    ConfigError,
+    LlamaCppDeployment,
+    Settings,
+    load_settings,
+)
 
 Command = Callable[[argparse.Namespace], int]
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from tokenmill.server.app import create_app
-    from tokenmill.server.listener import serve
-
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """``tokenmill serve``'s settings: its flags over ``TOKENMILL_*`` over ``--config``."""
     overrides = {
         "host": args.host,
         "port": args.port,
         "data_dir": args.data_dir,
         "ledger": getattr(args, "ledger", None),
         "log_level": args.log_level,
+        "ray_address": getattr(args, "ray_address", None),
     }
+    settings = load_settings(args.config, overrides)
+    if args.model is not None:
+        if settings.deployments:
+            raise ConfigError("--model serves one model; do not combine it with --config")
+        if not args.model.is_file():
+            raise ConfigError(f"--model: file not found: {args.model}")
+        dep = LlamaCppDeployment(id=args.name or args.model.stem, model=args.model)
+        settings = settings.model_copy(update={"deployments": [dep]})
+    return settings.with_default_deployment()
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.app import create_app
+    from tokenmill.server.listener import serve
+
     try:
-        settings = load_settings(args.config, overrides)
-        if args.model is not None:
-            if settings.deployments:
-                raise ConfigError("--model serves one model; do not combine it with --config")
-            if not args.model.is_file():
-                raise ConfigError(f"--model: file not found: {args.model}")
-            dep = DeploymentConfig(id=args.name or args.model.stem, model=args.model)
-            settings = settings.model_copy(update={"deployments": [dep]})
-        settings = settings.with_default_deployment()
+        settings = settings_from_args(args)
     except ConfigError as e:
         print(f"tokenmill: {e}", file=sys.stderr)
         return 2
@@ -67,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--name", help=f"deployment id for --model (default: file stem; '{DEFAULT_DEPLOYMENT_ID}')"
     )
     serve.add_argument("--log-level", default=None, help="debug, info, warning")
+    serve.add_argument(
+        "--ray-address",
+        help='the Ray cluster of placement = "ray" deployments: "auto", "ray://head:10001", '
+        'or "local" (default: a private local instance)',
+    )
     serve.set_defaults(func=_serve)
 
     for register in _extensions():

@@ -2,6 +2,12 @@
 and a TOML file (``--config``). Precedence: CLI flag > environment > file > default.
 
 A bad file stops start-up with a :class:`ConfigError` naming the file and the key.
+
+Each ``[[deployments]]`` table is the section of its ``engine`` (llamacpp when absent):
+:class:`LlamaCppDeployment`, :class:`UpstreamDeployment` or :class:`ScriptedDeployment`,
+each with its own keys and ``engine_target()``, the engine class that serves it.
+A section survives ``model_dump(mode="json")`` and :func:`parse_section` unchanged:
+that is how a replica process or Ray actor receives it.
 """
 
 from __future__ import annotations
@@ -9,13 +15,17 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeAlias
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
+    TypeAdapter,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -46,43 +56,152 @@ class Price(BaseModel):
     completion_per_mtok: int = Field(default=0, ge=0)
 
 
-class DeploymentConfig(BaseModel):
+class DeploymentCommon(BaseModel):
+    """What every deployment has, whatever its engine. Each engine's section adds its own
+    keys (:class:`LlamaCppDeployment`, :class:`UpstreamDeployment`,
+    :class:`ScriptedDeployment`); :data:`DeploymentConfig` is any of them."""
+
     model_config = ConfigDict(extra="forbid")
 
+    # The class that serves this section, as "module:Class": the engine is found from
+    # its section, so a new engine needs no name table.
+    ENGINE_TARGET: ClassVar[str]
+    # Messages for required keys that are missing, clearer than "Field required".
+    MISSING_HINTS: ClassVar[dict[str, str]] = {}
+
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
-    engine: Literal["llamacpp", "upstream", "scripted"] = "llamacpp"
     endpoint_type: Literal["chat", "completion"] = "chat"
     max_queue: int = Field(default=64, ge=0)
     queue_timeout_s: float = Field(default=30.0, gt=0)
     idle_unload_s: float | None = Field(default=None, gt=0)
     price: Price | None = None
-
-    # llamacpp
-    model: Path | None = None
-    replicas: int = Field(default=1, ge=1, le=64)
+    # Slots per replica (upstream: requests sent at once) and the context of each
+    # (upstream: the window assumed when a client sends no max_tokens).
     max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1, le=256)
     n_ctx: int = Field(default=DEFAULT_N_CTX, ge=64)
-    n_threads: int | None = Field(default=None, ge=1)
-    # Each replica is a supervised child process (tokenmill.gateway.process), so a crash
-    # in native code takes down one replica, not the gateway. ``false`` runs the engine
-    # in the gateway's process: for embedding tokenmill and for the benchmark's ceiling.
-    isolated: bool = True
-    # A replica process that answers no health probe for health_check_timeout_s (or
-    # whose decode step runs that long) is wedged: it is killed and restarted.
+
+    @classmethod
+    def engine_name(cls) -> str:
+        default = cls.model_fields["engine"].default
+        assert isinstance(default, str)
+        return default
+
+    def engine_target(self) -> str:
+        """The engine class that serves this deployment, as "module:Class"."""
+        return self.ENGINE_TARGET
+
+
+Placement = Literal["process", "local", "ray"]
+
+
+class ReplicatedDeployment(DeploymentCommon):
+    """A deployment that runs its engine in ``replicas`` copies, each placed by
+    ``placement``: "process" (a supervised child process, tokenmill.gateway.process),
+    "local" (in the gateway's own process: for embedding tokenmill and for the
+    benchmark's ceiling) or "ray" (a Ray actor, on the cluster of Settings.ray_address)."""
+
+    replicas: int = Field(default=1, ge=1, le=64)
+    placement: Placement = "process"
+    # placement = "ray" only. CPUs the replica's actor reserves (default: ray_cpus()),
+    # and custom resources it needs ({node_b = 1} pins it to nodes that offer node_b).
+    ray_num_cpus: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    ray_resources: dict[str, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict
+    )
+    # A replica that answers no health probe for health_check_timeout_s (or whose
+    # decode step runs that long) is wedged: it is killed and restarted.
     health_check_interval_s: float = Field(default=5.0, gt=0)
     health_check_timeout_s: float = Field(default=30.0, gt=0)
-    # Fewer llama.cpp threads for a step when that is measured to be faster: where other
-    # busy processes share the cores, threads that wait for each other at every barrier
-    # lose to one (see tokenmill.engines.threads). false: always n_threads.
-    adapt_threads: bool = True
     # Niceness of replica processes. 0 (the default) competes for the cores on equal
     # terms with everything else on the host; a higher value yields them to the gateway
     # but also to every other busy process, which starves the model on a shared host
     # (10 here: 1.4 tok/s beside two busy loops, against 12.6 at 0).
     replica_nice: int = Field(default=0, ge=0, le=19)
 
-    # upstream
-    url: str | None = None
+    def ray_cpus(self) -> float:
+        """The CPUs a replica's Ray actor reserves."""
+        return 1.0 if self.ray_num_cpus is None else self.ray_num_cpus
+
+    @model_validator(mode="before")
+    @classmethod
+    def _isolated_alias(cls, data: Any) -> Any:
+        # ``isolated`` (deprecated) was placement before Ray: true = "process",
+        # false = "local". Accepted as input only; the model has no such attribute.
+        if not isinstance(data, dict) or "isolated" not in data:
+            return data
+        data = dict(data)
+        isolated = data.pop("isolated")
+        if not isinstance(isolated, bool):
+            raise ValueError(
+                f"'isolated' (deprecated: use placement) must be true or false, not {isolated!r}"
+            )
+        placement = "process" if isolated else "local"
+        given = data.setdefault("placement", placement)
+        if given != placement:
+            raise ValueError(
+                f"'isolated = {str(isolated).lower()}' (deprecated) means "
+                f"placement = {placement!r}, which contradicts placement = {given!r}: "
+                "drop 'isolated'"
+            )
+        return data
+
+    @field_validator("ray_num_cpus", "ray_resources")
+    @classmethod
+    def _ray_only(cls, v: Any, info: ValidationInfo) -> Any:
+        # Fields are validated in order, so placement is known here (unless it was bad).
+        # Empty values pass: a section dumped to JSON carries them whatever its placement.
+        placement = info.data.get("placement")
+        if v and placement is not None and placement != "ray":
+            raise ValueError(
+                f"'{info.field_name}' is only for placement = \"ray\" "
+                f"(this deployment's placement is {placement!r})"
+            )
+        if info.field_name == "ray_resources":
+            for name in ("CPU", "GPU", "memory"):
+                if name in v:
+                    raise ValueError(
+                        f"{name!r} is not a custom resource"
+                        + (": use ray_num_cpus" if name == "CPU" else "")
+                    )
+        return v
+
+
+class LlamaCppDeployment(ReplicatedDeployment):
+    """A GGUF model served by llama.cpp (tokenmill.engines.llamacpp)."""
+
+    ENGINE_TARGET: ClassVar[str] = "tokenmill.engines.llamacpp:LlamaCppEngine"
+
+    engine: Literal["llamacpp"] = "llamacpp"
+    # Absent: the embedded SmolLM2.
+    model: Path | None = None
+    n_threads: int | None = Field(default=None, ge=1)
+    # Fewer llama.cpp threads for a step when that is measured to be faster: where other
+    # busy processes share the cores, threads that wait for each other at every barrier
+    # lose to one (see tokenmill.engines.threads). false: always n_threads.
+    adapt_threads: bool = True
+
+    def ray_cpus(self) -> float:
+        if self.ray_num_cpus is not None:
+            return self.ray_num_cpus
+        return float(self.n_threads or 1)
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, v: Path | None) -> Path | None:
+        # A field validator, so the message names the key: deployments.N.model.
+        if v is not None and not v.is_file():
+            raise ValueError(f"model file not found: {v}")
+        return v
+
+
+class UpstreamDeployment(DeploymentCommon):
+    """Any OpenAI-compatible endpoint (tokenmill.engines.upstream)."""
+
+    ENGINE_TARGET: ClassVar[str] = "tokenmill.engines.upstream:UpstreamEngine"
+    MISSING_HINTS: ClassVar[dict[str, str]] = {"url": "an upstream deployment needs 'url'"}
+
+    engine: Literal["upstream"] = "upstream"
+    url: str
     upstream_model: str | None = None
     api_key: str | None = None
     headers: dict[str, str] = Field(default_factory=dict)
@@ -93,30 +212,11 @@ class DeploymentConfig(BaseModel):
     # usage; without it both are estimated from the text (about 4 characters a token).
     tokenizer: str | None = None
 
-    # scripted (tests only: tokenmill.engines.scripted): the driver's Unix socket
-    control: Path | None = None
-
-    @model_validator(mode="after")
-    def _engine_fields(self) -> DeploymentConfig:
-        if self.engine == "scripted" and self.control is None:
-            raise ValueError("a scripted (test) deployment needs 'control', its driver's socket")
-        if self.engine != "scripted" and self.control is not None:
-            raise ValueError("'control' is only for scripted (test) deployments")
-        if self.engine == "upstream":
-            if not self.url:
-                raise ValueError("an upstream deployment needs 'url'")
-            if not self.url.rstrip("/").endswith("/v1"):
-                raise ValueError("'url' must be an OpenAI-compatible base URL ending in /v1")
-        elif self.tokenizer is not None:
-            raise ValueError("'tokenizer' is for upstream deployments (llamacpp uses its model's)")
-        return self
-
-    @field_validator("model")
+    @field_validator("url")
     @classmethod
-    def _model_exists(cls, v: Path | None) -> Path | None:
-        # A field validator, so the message names the key: deployments.N.model.
-        if v is not None and not v.is_file():
-            raise ValueError(f"model file not found: {v}")
+    def _openai_base(cls, v: str) -> str:
+        if not v.rstrip("/").endswith("/v1"):
+            raise ValueError("'url' must be an OpenAI-compatible base URL ending in /v1")
         return v
 
     @field_validator("tokenizer")
@@ -125,6 +225,73 @@ class DeploymentConfig(BaseModel):
         if v is not None and v != "embedded" and not Path(v).is_file():
             raise ValueError(f'tokenizer file not found: {v} (a GGUF file, or "embedded")')
         return v
+
+
+class ScriptedDeployment(ReplicatedDeployment):
+    """Tests only (tokenmill.engines.scripted): an engine a test drives step by step."""
+
+    ENGINE_TARGET: ClassVar[str] = "tokenmill.engines.scripted:ScriptedEngine"
+    MISSING_HINTS: ClassVar[dict[str, str]] = {
+        "control": "a scripted (test) deployment needs 'control', its driver's socket"
+    }
+
+    engine: Literal["scripted"] = "scripted"
+    # The driver's Unix socket.
+    control: Path
+
+
+# Every engine's section; a deployment's ``engine`` key picks one.
+ENGINE_SECTIONS: tuple[type[DeploymentCommon], ...] = (
+    LlamaCppDeployment,
+    UpstreamDeployment,
+    ScriptedDeployment,
+)
+EngineSection: TypeAlias = LlamaCppDeployment | UpstreamDeployment | ScriptedDeployment
+_SECTION_BY_ENGINE = {c.engine_name(): c for c in ENGINE_SECTIONS}
+
+
+def _engine_tag(v: Any) -> str:
+    if isinstance(v, dict):
+        # No ``engine`` key: llama.cpp, the default since the first release.
+        engine = v.get("engine", "llamacpp")
+        return engine if isinstance(engine, str) else repr(engine)
+    # A section already built, or not a table at all (llamacpp's section then says so).
+    engine = getattr(v, "engine", "llamacpp")
+    return engine if isinstance(engine, str) else "llamacpp"
+
+
+DeploymentConfig: TypeAlias = Annotated[
+    Annotated[LlamaCppDeployment, Tag("llamacpp")]
+    | Annotated[UpstreamDeployment, Tag("upstream")]
+    | Annotated[ScriptedDeployment, Tag("scripted")],
+    Discriminator(_engine_tag),
+]
+_DEPLOYMENT_ADAPTER: TypeAdapter[EngineSection] = TypeAdapter(DeploymentConfig)
+
+
+def parse_section(data: Any) -> EngineSection:
+    """One deployment's section from a dict, such as the ``model_dump(mode="json")`` a
+    replica process or Ray actor receives; raises pydantic's ValidationError."""
+    return _DEPLOYMENT_ADAPTER.validate_python(data)
+
+
+def _accepted_keys(section: type[DeploymentCommon]) -> set[str]:
+    keys = set(section.model_fields)
+    if "placement" in keys:
+        keys.add("isolated")
+    return keys
+
+
+def _foreign_key_message(key: str, section: type[DeploymentCommon]) -> str | None:
+    owners = [c.engine_name() for c in ENGINE_SECTIONS if key in _accepted_keys(c)]
+    if not owners:
+        return None
+    engine = section.engine_name()
+    if key == "control":
+        return "'control' is only for scripted (test) deployments"
+    if key == "tokenizer" and engine == "llamacpp":
+        return "'tokenizer' is for upstream deployments (llamacpp uses its model's)"
+    return f"'{key}' is for {' and '.join(owners)} deployments, not {engine}"
 
 
 class Settings(BaseModel):
@@ -141,6 +308,10 @@ class Settings(BaseModel):
     metrics: bool = True
     drain_s: float = Field(default=DEFAULT_DRAIN_S, ge=0)
     client_timeout_s: float = Field(default=DEFAULT_CLIENT_TIMEOUT_S, gt=0)
+    # The Ray cluster of deployments with placement = "ray": "local" starts a private
+    # Ray instance in this host (also what such deployments get when this is unset),
+    # anything else is given to ray.init: "auto", "ray://head:10001", ...
+    ray_address: str | None = Field(default=None, min_length=1)
     deployments: list[DeploymentConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -155,7 +326,17 @@ class Settings(BaseModel):
     def with_default_deployment(self) -> Settings:
         if self.deployments:
             return self
-        return self.model_copy(update={"deployments": [DeploymentConfig(id=DEFAULT_DEPLOYMENT_ID)]})
+        dep = LlamaCppDeployment(id=DEFAULT_DEPLOYMENT_ID)
+        return self.model_copy(update={"deployments": [dep]})
+
+    def ray_target(self) -> str | None:
+        """The address to give ray.init: None when no deployment is placed on Ray,
+        else ``ray_address``, "local" (a private local instance) when unset."""
+        if not any(
+            isinstance(d, ReplicatedDeployment) and d.placement == "ray" for d in self.deployments
+        ):
+            return None
+        return self.ray_address or "local"
 
 
 # Values arrive as strings; pydantic's lax mode reads "0"/"false"/"off"/"no" as False.
@@ -170,16 +351,34 @@ _ENV_KEYS = (
     "metrics",
     "drain_s",
     "client_timeout_s",
+    "ray_address",
 )
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"])
+        path = list(e["loc"])
+        section: type[DeploymentCommon] | None = None
+        # pydantic puts the engine's tag after the index (deployments.0.llamacpp.model):
+        # the file has no such level, so the location leaves it out.
+        if len(path) >= 3 and path[0] == "deployments" and isinstance(path[1], int):
+            section = _SECTION_BY_ENGINE.get(str(path[2]))
+            if section is not None:
+                del path[2]
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+            if section is not None and len(path) == 3:
+                # Another engine's key: say whose it is.
+                msg = _foreign_key_message(str(path[2]), section) or msg
+        elif e["type"] == "union_tag_invalid":
+            path.append("engine")
+            ctx = e.get("ctx", {})
+            msg = f"unknown engine {ctx.get('tag')!r} (one of {ctx.get('expected_tags')})"
+        elif e["type"] == "missing" and section is not None and len(path) == 3:
+            msg = section.MISSING_HINTS.get(str(path[2]), msg)
+        loc = ".".join(str(p) for p in path)
         lines.append(f"  {loc or '(top level)'}: {msg}")
     return "\n".join(lines)
 

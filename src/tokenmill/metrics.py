@@ -211,7 +211,7 @@ class _LoadCollector(Collector):
             usage: list[float] = []
             for replica in dep.replicas:
                 try:
-                    h = replica.engine.health()
+                    h = replica.host.health()
                 except Exception:  # an unloaded or crashed replica: nothing to report
                     continue
                 running += h.running

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 import pytest
 
 from tests.driver import EngineDriver
-from tokenmill.engines import ENGINES, Engine
+from tokenmill.engines import Engine
 from tokenmill.engines.base import Chunk, GenerationRequest, SamplingParams, Usage
+from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.scripted import ScriptedEngine
 from tokenmill.errors import ContextLengthError, EngineError
 
@@ -35,18 +36,15 @@ def request(rid: str, max_tokens: int, prompt: str = "one two three") -> Generat
     return GenerationRequest(rid, SamplingParams(max_tokens=max_tokens), prompt=prompt)
 
 
-async def started(
-    driver: EngineDriver, stream: AsyncGenerator[Chunk, None], rid: str
-) -> asyncio.Future[Chunk]:
+async def started(driver: EngineDriver, stream: ChunkStream, rid: str) -> asyncio.Future[Chunk]:
     """Start ``stream`` (its first chunk, pending) and wait until the engine saw it."""
     first = asyncio.ensure_future(anext(stream))
     await asyncio.to_thread(driver.wait, "started", rid)
     return first
 
 
-def test_it_is_an_engine_reached_only_by_name() -> None:
+def test_it_is_an_engine() -> None:
     assert isinstance(ScriptedEngine("/nonexistent"), Engine)
-    assert "scripted" not in ENGINES  # never a default user's engine
 
 
 async def test_tokens_usage_and_max_tokens(driven: tuple[EngineDriver, ScriptedEngine]) -> None:
@@ -55,7 +53,7 @@ async def test_tokens_usage_and_max_tokens(driven: tuple[EngineDriver, ScriptedE
     info = await engine.prepare(req)
     assert (info.prompt_tokens, info.context_length) == (3, 64)
     stream = engine.generate(req)
-    assert isinstance(stream, AsyncGenerator)
+    assert isinstance(stream, ChunkStream)
     first = await started(driver, stream, "a")
     assert driver.wait("started", "a")["max_tokens"] == 3
     driver.emit("a", 10)  # more than max_tokens: the engine stops at 3
@@ -72,7 +70,7 @@ async def test_tokens_usage_and_max_tokens(driven: tuple[EngineDriver, ScriptedE
 async def test_finish_with_stop(driven: tuple[EngineDriver, ScriptedEngine]) -> None:
     driver, engine = driven
     stream = engine.generate(request("s", max_tokens=10))
-    assert isinstance(stream, AsyncGenerator)
+    assert isinstance(stream, ChunkStream)
     first = await started(driver, stream, "s")
     driver.emit("s", 2)
     driver.finish("s", "stop")
@@ -80,40 +78,48 @@ async def test_finish_with_stop(driven: tuple[EngineDriver, ScriptedEngine]) -> 
     assert chunks[-1] == Chunk("", "stop", Usage(3, 2), 2)
 
 
-async def test_abort_reports_the_tokens_produced(
+async def test_cancel_ends_the_stream_with_the_tokens_produced(
     driven: tuple[EngineDriver, ScriptedEngine],
 ) -> None:
     driver, engine = driven
-    # Aborted while its stream is open (the gateway's order when a client leaves).
     stream = engine.generate(request("open", max_tokens=10))
-    assert isinstance(stream, AsyncGenerator)
     first = await started(driver, stream, "open")
     driver.emit("open", 2)
     assert (await first).text == " w1" and (await anext(stream)).text == " w2"
     assert engine.health().running == 1
-    assert await engine.abort("open") == Usage(3, 2)
-    await stream.aclose()
+    engine.cancel("open")
+    # The one final chunk: the tokens really produced, which the caller pays for.
+    assert [c async for c in stream] == [Chunk("", "abort", Usage(3, 2), 2)]
+    assert stream.finished and (stream.tokens, stream.usage) == (2, Usage(3, 2))
     aborted = await asyncio.to_thread(driver.wait, "aborted", "open")
     assert aborted["tokens"] == 2
     assert engine.health().running == 0
     driver.emit("open", 1)  # nothing runs it any more
     assert (await asyncio.to_thread(driver.wait, "ignored", "open"))["op"] == "emit"
-    assert await engine.abort("open") is None  # forgotten once reported
+    engine.cancel("open")  # a finished request: ignored
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
 
-    # Cancelled first, aborted after (a replica process's order): the usage is kept.
+
+async def test_a_cancelled_read_loses_nothing(
+    driven: tuple[EngineDriver, ScriptedEngine],
+) -> None:
+    driver, engine = driven
     stream = engine.generate(request("cut", max_tokens=10))
-    assert isinstance(stream, AsyncGenerator)
     reader = await started(driver, stream, "cut")
     driver.emit("cut", 1)
     assert (await reader).tokens == 1
     pending = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0)  # one step of the task: the generator waits for a command
+    await asyncio.sleep(0)  # one step of the task: it waits for the next chunk
     pending.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pending
-    assert engine.health().running == 0  # the cancellation ended it, before any abort()
-    assert await engine.abort("cut") == Usage(3, 1)
-    assert (await asyncio.to_thread(driver.wait, "aborted", "cut"))["tokens"] == 1
+    assert engine.health().running == 1  # a reader leaving stops nothing: cancel() does
+    driver.emit("cut", 1)
+    assert (await anext(stream)).text == " w2"
+    await stream.aclose()  # closing an unfinished stream is its cancel()
+    assert (await anext(stream)) == Chunk("", "abort", Usage(3, 2), 2)
+    assert (await asyncio.to_thread(driver.wait, "aborted", "cut"))["tokens"] == 2
 
 
 async def test_fail_and_context_errors(driven: tuple[EngineDriver, ScriptedEngine]) -> None:
@@ -121,7 +127,7 @@ async def test_fail_and_context_errors(driven: tuple[EngineDriver, ScriptedEngin
     with pytest.raises(ContextLengthError, match="maximum context length is 64"):
         await engine.prepare(request("big", max_tokens=62))
     stream = engine.generate(request("f", max_tokens=10))
-    assert isinstance(stream, AsyncGenerator)
+    assert isinstance(stream, ChunkStream)
     first = await started(driver, stream, "f")
     driver.emit("f", 1)
     assert (await first).tokens == 1
@@ -138,7 +144,7 @@ async def test_requests_fail_when_the_driver_goes_away() -> None:
     await engine.start()
     try:
         stream = engine.generate(request("orphan", max_tokens=5))
-        assert isinstance(stream, AsyncGenerator)
+        assert isinstance(stream, ChunkStream)
         first = await started(driver, stream, "orphan")
         await asyncio.to_thread(driver.close)
         with pytest.raises(EngineError, match="driver went away"):
@@ -189,7 +195,7 @@ async def test_kv_cache_usage_counts_the_running_requests_tokens(
 ) -> None:
     driver, engine = driven
     stream = engine.generate(request("kv", max_tokens=10))  # 3 prompt words
-    assert isinstance(stream, AsyncGenerator)
+    assert isinstance(stream, ChunkStream)
     first = await started(driver, stream, "kv")
     assert engine.health().kv_cache_usage == 3 / 64
     driver.emit("kv", 5)

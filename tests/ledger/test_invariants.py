@@ -50,7 +50,7 @@ import random
 import signal
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -72,9 +72,9 @@ from tests.ledger.helpers import (
 )
 from tests.sse import DONE, events
 from tests.waiting import wait_until
+from tokenmill.config import ScriptedDeployment
 from tokenmill.engines.base import GenerationRequest, SamplingParams
-from tokenmill.gateway.deployment import SCRIPTED_ENGINE
-from tokenmill.gateway.process import ProcessEngine
+from tokenmill.gateway.deployment import build_host
 
 WAVE1 = 100  # streams before the kill, nothing killed
 STREAMS = 200
@@ -327,20 +327,19 @@ def test_books_balance_under_load_with_a_replica_killed(loaded: ServerProcess) -
 
 
 async def test_a_left_stream_whose_end_had_arrived_is_billed_in_full() -> None:
-    """The gateway aborts a stream its client left, and bills what ``abort`` reports.
+    """A stream its client left is billed for what its replica reports at its end.
 
     If the replica's last chunk had already reached the gateway (queued, unread when
-    the client left), there is nothing left to stop, but ``abort`` must still report
-    the final usage: otherwise only the chunks read so far are billed.
+    the client left), there is nothing left to stop, but the final usage must still
+    count: otherwise only the chunks read so far are billed.
     """
     driver = EngineDriver()
-    kwargs = {"control": str(driver.path), "max_num_seqs": 2, "n_ctx": 256}
-    engine = ProcessEngine(SCRIPTED_ENGINE, kwargs)
-    await engine.start()
+    config = ScriptedDeployment(id="s", control=driver.path, max_num_seqs=2, n_ctx=256)
+    host = build_host(config)
+    await host.start()
     try:
         request = GenerationRequest("left-late", SamplingParams(max_tokens=6), prompt="1, 2, 3,")
-        stream = engine.generate(request)
-        assert isinstance(stream, AsyncGenerator)
+        stream = host.generate(request)
         first = asyncio.ensure_future(anext(stream))
         await asyncio.to_thread(driver.wait, "started", "left-late")
         driver.emit("left-late", 1)
@@ -350,11 +349,12 @@ async def test_a_left_stream_whose_end_had_arrived_is_billed_in_full() -> None:
         # The replica answers a frame sent after that last chunk only once the chunk
         # has gone out before the answer: when prepare() returns, the chunk is here.
         barrier = GenerationRequest("barrier", SamplingParams(max_tokens=1), prompt="x")
-        await engine.prepare(barrier)
-        # What RequestStream.aclose does for a stream that did not finish: abort, close.
-        usage = await engine.abort(request.request_id)
-        await stream.aclose()
-        assert usage is not None and usage.completion_tokens == 6, usage
+        await host.prepare(barrier)
+        # What RequestStream's close reads for a stream whose client left: it has
+        # ended (nothing to cancel), and its tokens are the replica's final count.
+        assert stream.ended and not stream.finished
+        assert stream.tokens == 6 and stream.usage is not None
+        assert stream.usage.completion_tokens == 6
     finally:
-        await engine.close()
+        await host.close()
         await asyncio.to_thread(driver.close)

@@ -1,13 +1,13 @@
 """Inference backends, chosen by name and imported only when used.
 
 Importing this package never imports llama.cpp (or torch, or ray): a backend's
-module is loaded by :func:`load_engine_class` on first use.
+module is loaded by :func:`create_engine` on first use.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tokenmill.engines.base import (
     ChatMessage,
@@ -20,23 +20,30 @@ from tokenmill.engines.base import (
     Usage,
 )
 
-ENGINES: dict[str, str] = {
-    "llamacpp": "tokenmill.engines.llamacpp:LlamaCppEngine",
-    "upstream": "tokenmill.engines.upstream:UpstreamEngine",
-}
+if TYPE_CHECKING:
+    from tokenmill.config import DeploymentConfig
+    from tokenmill.engines.llamacpp import LlamaCppEngine
+    from tokenmill.engines.scripted import ScriptedEngine
+    from tokenmill.engines.upstream import UpstreamEngine
+
+    # mypy checks here that every engine implements the interface.
+    _ENGINES: tuple[type[Engine], ...] = (LlamaCppEngine, ScriptedEngine, UpstreamEngine)
 
 
-def load_engine_class(name: str) -> Any:
-    """Resolve an engine name (or a ``module:Class`` string) to its class."""
-    target = ENGINES.get(name, name)
-    module_name, _, attr = target.partition(":")
-    if not attr:
-        raise ValueError(f"unknown engine {name!r}; known: {', '.join(sorted(ENGINES))}")
-    return getattr(importlib.import_module(module_name), attr)
+def create_engine(section: DeploymentConfig) -> Engine:
+    """The engine a deployment's config section names, built by its ``from_config``.
+
+    Its module is imported here, on first use: never by ``import tokenmill``.
+    """
+    module_name, _, attr = section.engine_target().partition(":")
+    cls = getattr(importlib.import_module(module_name), attr)
+    engine = cls.from_config(section)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"{section.engine_target()} does not implement the Engine interface")
+    return engine
 
 
 __all__ = [
-    "ENGINES",
     "ChatMessage",
     "Chunk",
     "Engine",
@@ -45,5 +52,5 @@ __all__ = [
     "PromptInfo",
     "SamplingParams",
     "Usage",
-    "load_engine_class",
+    "create_engine",
 ]

@@ -7,22 +7,33 @@ is the only chunk with a ``finish_reason``.
 
 Contract every implementation keeps:
 
-* ``generate`` yields text deltas that are whole UTF-8 characters and never contain
-  (part of) a stop string; ``completion_tokens`` never exceeds ``max_tokens``.
-* Closing the iterator early (``aclose()``, task cancellation, client gone) aborts
-  the request inside the engine within a step or two and frees its capacity.
-* Errors are raised as :mod:`tokenmill.errors` exceptions, before the first chunk
-  when they concern the request (context too long), mid-stream otherwise.
+* ``generate`` returns a :class:`~tokenmill.engines.chunks.ChunkStream` at once and
+  fills it: text deltas that are whole UTF-8 characters and never contain (part of) a
+  stop string, then exactly one final item: a chunk with ``finish_reason`` and
+  ``usage``, or an exception. ``completion_tokens`` never exceeds ``max_tokens``.
+* ``cancel`` is the one way to stop a request early. It returns at once; within a
+  step or two the engine ends the stream with a final ``abort`` chunk whose usage
+  counts the tokens really produced (which the caller pays for) and frees the
+  request's capacity. An unknown or finished request id is ignored.
+* Errors are raised as :mod:`tokenmill.errors` exceptions: by ``prepare`` (or
+  ``generate``) when they concern the request (context too long), as the stream's
+  final item otherwise.
 
-A new backend (vLLM, a Ray Serve replica) is one more class with these methods.
+A new backend (vLLM, say) is one more class with these methods and a
+``from_config`` constructor taking its deployment's config section; where it runs
+(the gateway's process, a child process, a Ray actor) is the replica host's business
+(:mod:`tokenmill.gateway.hosts`), not the engine's.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar, runtime_checkable
+
+if TYPE_CHECKING:
+    from tokenmill.engines.chunks import ChunkStream
 
 T = TypeVar("T")
 
@@ -192,16 +203,12 @@ class Engine(Protocol):
         """Render and tokenize the prompt; raise ``ContextLengthError`` if it cannot fit."""
         ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        """Stream the completion. Closing the iterator aborts the request."""
+    def generate(self, request: GenerationRequest) -> ChunkStream:
+        """Start the completion; its chunks arrive on the returned stream."""
         ...
 
-    async def abort(self, request_id: str) -> Usage | None:
-        """Stop a request and wait until it has stopped.
-
-        Returns its final usage (the tokens it really produced, which the caller
-        pays for), or None when the engine no longer knows the request.
-        """
+    def cancel(self, request_id: str) -> None:
+        """Stop a request: its stream ends with a final ``abort`` chunk and its usage."""
         ...
 
     def health(self) -> EngineHealth:
@@ -241,7 +248,8 @@ class SteppedEngine(Protocol):
     """An optional capability: chunks handed over per decode step, off the event loop.
 
     A replica process uses it to write each step's tokens straight to the gateway
-    (see :mod:`tokenmill.gateway.runner`); everything else uses ``generate()``.
+    (see :mod:`tokenmill.gateway.runner`); everything else uses ``generate()``. Once a
+    step sink is set, every request is started with ``submit`` (``generate`` refuses).
     """
 
     def set_step_sink(self, sink: StepSink) -> None:
@@ -251,7 +259,7 @@ class SteppedEngine(Protocol):
         """Start ``request``; its chunks, up to a final one or an error, go to the sink."""
 
     def cancel(self, request_id: str) -> None:
-        """Stop a submitted request; its final chunk (``abort``) carries the usage."""
+        """Stop a request (``Engine.cancel``); its final chunk (``abort``) carries the usage."""
 
 
 # Requests remembered between prepare() and generate() (a client that leaves in

@@ -27,14 +27,15 @@ import math
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import llama_cpp as ll
 import numpy as np
 
+from tokenmill.config import LlamaCppDeployment
 from tokenmill.engines.base import (
     Chunk,
     EngineHealth,
@@ -49,9 +50,10 @@ from tokenmill.engines.base import (
     TopLogprob,
     Usage,
 )
-from tokenmill.engines.chunks import ChunkQueue, ChunkReader
+from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.logprobs import TokenAligner, finite
+from tokenmill.engines.slots import Slot, apply_placement, plan_placement
 from tokenmill.engines.textstream import TextStream
 from tokenmill.engines.threads import ThreadTuner, available_cpus
 from tokenmill.engines.vocab import Vocab, init_backend
@@ -65,13 +67,8 @@ log = logging.getLogger("tokenmill.engines.llamacpp")
 # 2k-token prompt is in after 4 steps, small enough that a step with 16 decoding
 # streams stays a few tens of ms.
 PREFILL_CHUNK = 512
-# Copying another slot's KV stream costs about one token of prefill (measured here:
-# ~3 ms against ~3.5 ms a prompt token); below this saving it is not worth it.
-KV_COPY_MIN_TOKENS = 4
 # Penalties look back this many generated tokens (llama.cpp's default).
 PENALTY_LAST_N = 64
-# An abort is answered within one decode step; this only guards against a wedged loop.
-ABORT_WAIT_S = 10.0
 # OpenAI's range of logit_bias values; its lower end bans the token.
 MAX_LOGIT_BIAS = 100.0
 
@@ -81,8 +78,6 @@ class _Sequence:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
-    # Called on the event loop with each chunk; None: the step sink takes them.
-    deliver: Callable[[Chunk | BaseException], None] | None
     stream: TextStream
     slot: int = -1
     n_past: int = 0  # tokens of this request already in the slot's KV
@@ -100,12 +95,8 @@ class _Sequence:
     prompt_logprobs: list[tuple[float, tuple[TopLogprob, ...]]] | None = None
 
 
-@dataclass(slots=True)
-class _Slot:
-    index: int
-    tokens: list[int] = field(default_factory=list)  # what the slot's KV holds
-    seq: _Sequence | None = None
-    last_used: float = 0.0  # when its cached tokens were last written or reused
+# A KV slot and the request decoding in it (see slots.py, which places requests).
+_Slot = Slot[_Sequence]
 
 
 class LlamaCppEngine:
@@ -143,14 +134,33 @@ class LlamaCppEngine:
         self._slots: list[_Slot] = []
         self._stop = False
         self._start_lock = asyncio.Lock()
-        self._queues: dict[str, ChunkQueue] = {}
+        # Streams of generate() requests, filled on the event loop by the default sink.
+        self._streams: dict[str, ChunkStream] = {}
         self._prepared: Prepared[list[int]] = Prepared()
         self.tokens_generated = 0
         self.steps = 0
         self.kv_copies = 0  # prefixes copied from another slot (see _assign)
         self._decoding_since: float | None = None  # set while llama_decode runs
-        self._sink: StepSink | None = None
+        # Receives every step's chunks on the decode thread: by default it hands them to
+        # the streams of generate() on the event loop; a replica process sets its own.
+        self._sink: StepSink = self._to_streams
+        self._own_sink = False
         self._failed: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: LlamaCppDeployment) -> LlamaCppEngine:
+        n_threads = config.n_threads
+        if n_threads is None and config.replicas > 1 and config.placement != "ray":
+            # Replicas of one deployment share this host's cores; oversubscribed
+            # llama.cpp thread pools spin against each other and every replica slows.
+            n_threads = max(1, available_cpus() // config.replicas)
+        return cls(
+            config.model,
+            max_num_seqs=config.max_num_seqs,
+            n_ctx=config.n_ctx,
+            n_threads=n_threads,
+            adapt_threads=config.adapt_threads,
+        )
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -282,29 +292,25 @@ class LlamaCppEngine:
 
     # -- requests ------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        if self._thread is None:
-            await self.start()
-        queue: ChunkQueue = asyncio.Queue()
-        self._queues[request.request_id] = queue
+    def generate(self, request: GenerationRequest) -> ChunkStream:
+        if self._own_sink:
+            raise EngineError("this engine has a step sink: start requests with submit()")
+        self._check_started()
+        rid = request.request_id
+        stream = ChunkStream(rid, self.cancel)
+        self._streams[rid] = stream
         try:
-            self._enqueue(request, queue.put_nowait)
+            self._enqueue(request)
         except BaseException:
-            self._queues.pop(request.request_id, None)
+            self._streams.pop(rid, None)
             raise
-        reader = ChunkReader(queue)
-        try:
-            async for chunk in reader:
-                yield chunk
-        finally:
-            if not reader.finished:
-                self._request_abort(request.request_id)
-            else:
-                self._queues.pop(request.request_id, None)
+        return stream
 
-    def _enqueue(
-        self, request: GenerationRequest, deliver: Callable[[Chunk | BaseException], None] | None
-    ) -> None:
+    def _check_started(self) -> None:
+        if self._thread is None:
+            raise EngineError("the engine is not started")
+
+    def _enqueue(self, request: GenerationRequest) -> None:
         tokens = self._prepared.take(request.request_id)
         if tokens is None:
             tokens = self._prompt_tokens(request)
@@ -313,7 +319,6 @@ class LlamaCppEngine:
             request_id=request.request_id,
             prompt=tokens,
             sampling=request.sampling,
-            deliver=deliver,
             stream=TextStream(request.sampling.stop),
             aligner=None if request.sampling.logprobs is None else TokenAligner(),
             echo_pending=echo,
@@ -325,56 +330,53 @@ class LlamaCppEngine:
             self._inbox.append(seq)
             self._cv.notify()
 
+    def cancel(self, request_id: str) -> None:
+        """Stop a request within one step; unknown or finished ids are ignored."""
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify()
+
     # -- the step sink: chunks straight from the decode thread -------------------------
 
     def set_step_sink(self, sink: StepSink) -> None:
-        """Receive the chunks of :meth:`submit` requests on the decode thread.
+        """Receive every request's chunks on the decode thread.
 
         ``sink`` is called once per decode step with every ``(request_id, chunk or
         error)`` the step produced, before the next step starts. A replica process
         writes them to the gateway from there, so a token crosses no event loop on
         its way out (see :mod:`tokenmill.gateway.runner`). It must not block for
-        long, and must not call back into the engine.
+        long, and must not call back into the engine. Requests are then started with
+        :meth:`submit`.
         """
         self._sink = sink
+        self._own_sink = True
 
     def submit(self, request: GenerationRequest) -> None:
         """Start ``request``; its chunks, up to one with a finish reason or an
         error, go to the step sink. :meth:`cancel` ends it early (the final chunk,
         finish reason ``abort``, carries the usage)."""
-        if self._sink is None:
+        if not self._own_sink:
             raise EngineError("submit() needs a step sink")
-        if self._thread is None:
-            raise EngineError("the engine is not started")
-        self._enqueue(request, None)
+        self._check_started()
+        self._enqueue(request)
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a submitted request within one step; unknown ids are ignored."""
-        self._request_abort(request_id)
+    def _to_streams(self, events: list[tuple[str, Chunk | BaseException]]) -> None:
+        """The default step sink: each chunk to its request's stream, on the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        streams = self._streams
 
-    def _request_abort(self, request_id: str) -> None:
-        with self._cv:
-            self._aborts.add(request_id)
-            self._cv.notify()
+        def deliver() -> None:
+            for rid, item in events:
+                stream = streams.get(rid)
+                if stream is not None:
+                    stream.put(item)
+                    if stream.ended:
+                        del streams[rid]
 
-    async def abort(self, request_id: str) -> Usage | None:
-        queue = self._queues.get(request_id)
-        if queue is None:
-            return None
-        self._request_abort(request_id)
-        try:
-            # The decode thread answers within one step with the final usage.
-            while True:
-                item = await asyncio.wait_for(queue.get(), ABORT_WAIT_S)
-                if isinstance(item, BaseException):
-                    return None
-                if item.finish_reason is not None:
-                    return item.usage
-        except TimeoutError:
-            log.error("request %s did not stop within %ss", request_id, ABORT_WAIT_S)
-            return None
-        finally:
-            self._queues.pop(request_id, None)
+        with contextlib.suppress(RuntimeError):  # loop closed during shutdown
+            loop.call_soon_threadsafe(deliver)
 
     def health(self) -> EngineHealth:
         running = len(self._running)
@@ -462,81 +464,35 @@ class LlamaCppEngine:
     def _assign(self, seq: _Sequence, pending: int = 0, fills: bool = False) -> None:
         """Give a request a free slot, reusing the longest cached prefix of its prompt.
 
-        The slot is chosen to keep the running slots in few runs of consecutive ids:
-        llama.cpp decodes each run in a pass of its own (see ``_step``), so a slot
-        that opens a new run costs an extra pass on every step until the gap fills
-        (measured here: 4 sequences in one run ~21 ms a step, in two ~32 ms). Among
-        equally good slots, the one whose own cache shares most of the prompt wins;
-        when this round ``fills`` every free slot there will be no gap to avoid, and
-        only the cached prefix counts.
-
-        The prefix may be cached in another slot, free or running (the same system
-        prompt, the previous turn of a chat). Copying that slot's KV stream into the
-        chosen one costs about one token of prefill (~3 ms measured here against
-        ~3.5 ms a token), so it is copied. For the same price, what the chosen slot
-        held is first parked in the least recently used free slot, so that low slots
-        taken again and again do not evict every other cached conversation; not
-        when ``pending`` requests are about to take the free slots anyway (a burst of
-        arrivals), where parking would overwrite prefixes they are about to reuse.
+        Which slot, what is parked and copied into it, and how much of its cache is
+        kept is ``plan_placement``'s decision (see slots.py); here it meets llama.cpp.
         """
-        busy = [slot.seq is not None for slot in self._slots]
-        shared = [_common_prefix(slot.tokens, seq.prompt) for slot in self._slots]
-        if seq.prompt_logprobs is not None:
+        plan = plan_placement(
+            self._slots,
+            seq.prompt,
+            pending=pending,
+            fills=fills,
             # Its prompt's log probabilities need logits of every prompt row: a cached
             # prefix would skip computing them.
-            shared = [0] * len(shared)
-        n = len(busy)
-
-        def placement(i: int) -> tuple[int, int, int]:
-            left = i > 0 and busy[i - 1]
-            right = i + 1 < n and busy[i + 1]
-            runs_added = 0 if fills else 1 - left - right  # +1 opens a run, -1 joins two
-            return (runs_added, -shared[i], i)
-
-        dest = self._slots[min((i for i in range(n) if not busy[i]), key=placement)]
-        common = shared[dest.index]
-        source = self._slots[max(range(n), key=shared.__getitem__)]
-        source_common = shared[source.index]
-        copy = source is not dest and source_common >= common + KV_COPY_MIN_TOKENS
-        if len(dest.tokens) - common >= KV_COPY_MIN_TOKENS:  # what the prompt will overwrite
-            self._park(dest, avoid=source, pending=pending)
-        if copy:
-            ll.llama_memory_seq_cp(self._mem, source.index, dest.index, -1, -1)
-            dest.tokens = source.tokens[:source_common]
-            common = source_common
-            self.kv_copies += 1
-        # At least one prompt token must be decoded to get logits for the first sample.
-        keep = min(common, len(seq.prompt) - 1)
-        if not ll.llama_memory_seq_rm(self._mem, dest.index, keep, -1):
-            ll.llama_memory_seq_rm(self._mem, dest.index, -1, -1)
+            reuse_prefix=seq.prompt_logprobs is None,
+        )
+        # Queued copies run in order at the next decode, so what ``dest`` holds is
+        # parked before anything is copied into it.
+        if plan.park_to is not None:
+            ll.llama_memory_seq_cp(self._mem, plan.dest, plan.park_to, -1, -1)
+        if plan.copy_from is not None:
+            ll.llama_memory_seq_cp(self._mem, plan.copy_from, plan.dest, -1, -1)
+        keep = plan.keep
+        if not ll.llama_memory_seq_rm(self._mem, plan.dest, keep, -1):
+            ll.llama_memory_seq_rm(self._mem, plan.dest, -1, -1)
             keep = 0
-        del dest.tokens[keep:]
-        dest.seq = seq
-        dest.last_used = source.last_used = time.monotonic()
-        seq.slot = dest.index
+        apply_placement(self._slots, plan, seq, now=time.monotonic(), keep=keep)
+        self.kv_copies += plan.copies
+        seq.slot = plan.dest
         seq.n_past = keep
         seq.cached = keep
         seq.sampler = self._make_sampler(seq.sampling)
         self._running[seq.request_id] = seq
-
-    def _park(self, slot: _Slot, avoid: _Slot, pending: int) -> None:
-        """Copy what ``slot`` caches into the least recently used free slot, if older."""
-        others = [s for s in self._slots if s is not slot]
-        held = len(slot.tokens) - KV_COPY_MIN_TOKENS
-        if any(_common_prefix(s.tokens, slot.tokens) >= held for s in others):
-            return  # (nearly) all of it is cached elsewhere already
-        spare = [s for s in others if s.seq is None and s is not avoid]
-        if len(spare) <= pending:
-            return
-        park = min(spare, key=lambda s: (s.last_used, s.index))
-        if park.tokens and park.last_used >= slot.last_used:
-            return
-        # Queued copies run in order at the next decode, so ``slot`` is copied out
-        # before anything is copied into it.
-        ll.llama_memory_seq_cp(self._mem, slot.index, park.index, -1, -1)
-        park.tokens = list(slot.tokens)
-        park.last_used = slot.last_used
-        self.kv_copies += 1
 
     def _make_sampler(self, p: SamplingParams) -> Any:
         sparams = ll.llama_sampler_chain_default_params()
@@ -745,24 +701,7 @@ class LlamaCppEngine:
         events.append((seq, Chunk(text, reason, usage, seq.generated, released)))
 
     def _post(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
-        if self._sink is not None:
-            direct = [(seq.request_id, item) for seq, item in events if seq.deliver is None]
-            if direct:
-                self._sink(direct)
-                events = [e for e in events if e[0].deliver is not None]
-                if not events:
-                    return
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-
-        def deliver() -> None:
-            for seq, item in events:
-                assert seq.deliver is not None
-                seq.deliver(item)
-
-        with contextlib.suppress(RuntimeError):  # loop closed during shutdown
-            loop.call_soon_threadsafe(deliver)
+        self._sink([(seq.request_id, item) for seq, item in events])
 
 
 def _by_slot(seq: _Sequence) -> int:
@@ -775,11 +714,3 @@ def _batch_add(batch: Any, i: int, token: int, pos: int, seq_id: int, logits: bo
     batch.n_seq_id[i] = 1
     batch.seq_id[i][0] = seq_id
     batch.logits[i] = logits
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

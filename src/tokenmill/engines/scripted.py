@@ -5,8 +5,8 @@ are tested by the order of events, not by how fast a model runs: a test must be 
 to say "now emit 3 tokens to this request", "now fail it", "now crash the replica"
 and see "this request started", "this request was aborted". :class:`ScriptedEngine`
 keeps the :class:`~tokenmill.engines.base.Engine` contract (usage on the final
-chunk, ``tokens`` counts, ``max_tokens`` a hard limit, ``abort`` returns the tokens
-really produced) and generates nothing by itself: each request waits for commands
+chunk, ``tokens`` counts, ``max_tokens`` a hard limit, ``cancel`` ends the stream
+with the tokens really produced) and generates nothing by itself: each request waits for commands
 from a *driver*, a test listening on the Unix socket named by the deployment's
 ``control`` key.
 
@@ -23,7 +23,7 @@ Engine -> driver (events)::
     {"event": "hello", "pid": P}                     connected; once per instance,
                                                      then it waits for "go"
     {"event": "started", "id": R, "prompt": S, "prompt_tokens": N, "max_tokens": N}
-    {"event": "aborted", "id": R, "tokens": N}       closed before it finished
+    {"event": "aborted", "id": R, "tokens": N}       cancelled before it finished
     {"event": "ended", "id": R, "reason": "stop" | "length" | "error", "tokens": N}
     {"event": "ignored", "id": R, "op": OP}          a command for no running request
 
@@ -54,19 +54,19 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.config import ScriptedDeployment
 from tokenmill.engines.base import (
     Chunk,
     EngineHealth,
     FinishReason,
     GenerationRequest,
-    Prepared,
     PromptInfo,
     Usage,
 )
+from tokenmill.engines.chunks import ChunkStream
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
 
 # A stalled process sleeps in slices this long, forever: only a kill ends it.
@@ -88,14 +88,13 @@ def count_words(text: str) -> int:
 
 @dataclass(eq=False)
 class _Run:
-    """One running request and the commands addressed to it."""
+    """One running request and its stream."""
 
     request: GenerationRequest
     prompt_tokens: int
     max_tokens: int
-    commands: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    stream: ChunkStream
     tokens: int = 0
-    ended: bool = False  # "aborted" or "ended" was reported
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.tokens)
@@ -113,13 +112,15 @@ class ScriptedEngine:
         self._writer: asyncio.StreamWriter | None = None
         self._commands: asyncio.Task[None] | None = None
         self._runs: dict[str, _Run] = {}
-        # Usage of requests closed early, kept for the abort() that follows.
-        self._left: Prepared[Usage] = Prepared()
         self._tokens_generated = 0
         self._starting = asyncio.Lock()
         self._started = False
         # Resolved by the driver's "go" (or failed when the driver goes away first).
         self._go: asyncio.Future[None] | None = None
+
+    @classmethod
+    def from_config(cls, config: ScriptedDeployment) -> ScriptedEngine:
+        return cls(str(config.control), max_num_seqs=config.max_num_seqs, n_ctx=config.n_ctx)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -186,13 +187,15 @@ class ScriptedEngine:
             )
         return PromptInfo(prompt_tokens=n_prompt, context_length=self.n_ctx)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        await self.start()
+    def generate(self, request: GenerationRequest) -> ChunkStream:
+        if not self._started:
+            raise EngineError("the scripted engine is not started")
         rid = request.request_id
         text = prompt_text(request)
         n_prompt = count_words(text)
         n_max = request.sampling.max_tokens
-        run = _Run(request, n_prompt, n_max if n_max > 0 else self.n_ctx - n_prompt)
+        stream = ChunkStream(rid, self.cancel)
+        run = _Run(request, n_prompt, n_max if n_max > 0 else self.n_ctx - n_prompt, stream)
         self._runs[rid] = run
         self._send(
             {
@@ -203,56 +206,47 @@ class ScriptedEngine:
                 "max_tokens": run.max_tokens,
             }
         )
-        reason: FinishReason | None = None
-        try:
-            while reason is None:
-                command = await run.commands.get()
-                op = command["op"]
-                if op == "emit":
-                    for _ in range(int(command.get("n", 1))):
-                        if run.tokens >= run.max_tokens:
-                            break
-                        run.tokens += 1
-                        self._tokens_generated += 1
-                        yield Chunk(f" w{run.tokens}", tokens=run.tokens)
-                    if run.tokens >= run.max_tokens:
-                        reason = "length"
-                elif op == "finish":
-                    reason = "length" if command.get("reason") == "length" else "stop"
-                elif op == "abort":  # abort() was called while the stream was open
-                    yield Chunk("", "abort", run.usage(), run.tokens)
-                    return
-                else:  # "fail"
-                    reason = "error"
-                    raise EngineError(str(command.get("message", "the scripted engine failed")))
-            yield Chunk("", reason, run.usage(), run.tokens)
-        finally:
-            self._runs.pop(rid, None)
-            if reason is not None:
-                self._report_end(run, {"event": "ended", "id": rid, "reason": reason})
-            elif not run.ended:
-                # Closed early (client gone, task cancelled): abort() comes next.
-                self._left.put(rid, run.usage())
-                self._report_end(run, {"event": "aborted", "id": rid})
+        return stream
 
-    async def abort(self, request_id: str) -> Usage | None:
+    def cancel(self, request_id: str) -> None:
         run = self._runs.get(request_id)
-        if run is None:
-            return self._left.take(request_id)
-        self._report_end(run, {"event": "aborted", "id": request_id})
-        run.commands.put_nowait({"op": "abort"})
-        return run.usage()
+        if run is not None:
+            self._end(run, Chunk("", "abort", run.usage(), run.tokens), "aborted")
+
+    def _run_command(self, run: _Run, command: dict[str, Any]) -> None:
+        op = command["op"]
+        if op == "emit":
+            for _ in range(int(command.get("n", 1))):
+                if run.tokens >= run.max_tokens:
+                    break
+                run.tokens += 1
+                self._tokens_generated += 1
+                run.stream.put(Chunk(f" w{run.tokens}", tokens=run.tokens))
+            if run.tokens >= run.max_tokens:
+                self._end(run, Chunk("", "length", run.usage(), run.tokens), "length")
+        elif op == "finish":
+            reason: FinishReason = "length" if command.get("reason") == "length" else "stop"
+            self._end(run, Chunk("", reason, run.usage(), run.tokens), reason)
+        else:  # "fail"
+            message = str(command.get("message", "the scripted engine failed"))
+            self._end(run, EngineError(message), "error")
+
+    def _end(self, run: _Run, final: Chunk | EngineError, how: str) -> None:
+        """Put the final item and tell the driver: ``ended`` with a reason, or ``aborted``."""
+        rid = run.request.request_id
+        if self._runs.pop(rid, None) is None:
+            return
+        run.stream.put(final)
+        if how == "aborted":
+            self._send({"event": "aborted", "id": rid, "tokens": run.tokens})
+        else:
+            self._send({"event": "ended", "id": rid, "reason": how, "tokens": run.tokens})
 
     # -- the control channel --------------------------------------------------------
 
     def _send(self, event: dict[str, Any]) -> None:
         if self._writer is not None and not self._writer.is_closing():
             self._writer.write(json.dumps(event).encode() + b"\n")
-
-    def _report_end(self, run: _Run, event: dict[str, Any]) -> None:
-        if not run.ended:
-            run.ended = True
-            self._send({**event, "tokens": run.tokens})
 
     async def _read_commands(self, reader: asyncio.StreamReader) -> None:
         while line := await reader.readline():
@@ -271,7 +265,7 @@ class ScriptedEngine:
             if run is None or op not in ("emit", "finish", "fail"):
                 self._send({"event": "ignored", "id": command.get("id"), "op": op})
             else:
-                run.commands.put_nowait(command)
+                self._run_command(run, command)
         if self._go is not None and not self._go.done():
             self._go.set_exception(
                 EngineError("the scripted engine's driver went away before it said go")
@@ -279,8 +273,8 @@ class ScriptedEngine:
         self._fail_all("the scripted engine's driver went away")
 
     def _fail_all(self, message: str) -> None:
-        for run in self._runs.values():
-            run.commands.put_nowait({"op": "fail", "message": message})
+        for run in list(self._runs.values()):
+            self._end(run, EngineError(message), "error")
 
 
 __all__ = ["ScriptedEngine", "count_words", "prompt_text"]

@@ -30,14 +30,13 @@ import json
 import logging
 import math
 import random
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from tokenmill.config import DeploymentConfig
+from tokenmill.config import UpstreamDeployment
 from tokenmill.engines.base import (
     Chunk,
     EngineHealth,
@@ -50,6 +49,7 @@ from tokenmill.engines.base import (
     TopLogprob,
     Usage,
 )
+from tokenmill.engines.chunks import ChunkStream
 from tokenmill.errors import (
     ContextLengthError,
     EngineError,
@@ -70,8 +70,6 @@ RETRY_BASE_S = 0.25
 CONNECT_TIMEOUT_S = 10.0
 CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
-# Final usage of recently ended requests, for abort() calls that arrive after the end.
-RECENT = 1024
 # Texts longer than this are tokenized off the event loop.
 TOKENIZE_INLINE_CHARS = 16_384
 
@@ -98,8 +96,7 @@ class _Running:
     chunks: int = 0
     chars: int = 0
     parts: list[str] = field(default_factory=list)
-    response: httpx.Response | None = None
-    aborted: bool = False
+    task: asyncio.Task[None] | None = None
 
     def add(self, text: str) -> None:
         self.chunks += 1
@@ -121,7 +118,7 @@ class UpstreamEngine:
 
     name = "upstream"
 
-    def __init__(self, config: DeploymentConfig) -> None:
+    def __init__(self, config: UpstreamDeployment) -> None:
         assert config.url is not None
         self.config = config
         self.url = config.url.rstrip("/")
@@ -133,11 +130,14 @@ class UpstreamEngine:
         self._headers = headers
         self._client: httpx.AsyncClient | None = None
         self._running: dict[str, _Running] = {}
-        self._recent: OrderedDict[str, Usage] = OrderedDict()
         self._prepared: Prepared[int] = Prepared()
         self._tokenizer: GgufTokenizer | None = None
         self.tokens_generated = 0
         self.failures = 0
+
+    @classmethod
+    def from_config(cls, config: UpstreamDeployment) -> UpstreamEngine:
+        return cls(config)
 
     async def start(self) -> None:
         if self.config.tokenizer and self._tokenizer is None:
@@ -156,8 +156,10 @@ class UpstreamEngine:
 
     async def close(self) -> None:
         client, self._client = self._client, None
-        for r in self._running.values():
-            r.aborted = True
+        tasks = [r.task for r in self._running.values() if r.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if client is not None:
             await client.aclose()
         tokenizer, self._tokenizer = self._tokenizer, None
@@ -322,79 +324,91 @@ class UpstreamEngine:
         # 401/403/404 mean the deployment is misconfigured, not that the client erred.
         return EngineError(f"the upstream answered {status}: {message}")
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+    def generate(self, request: GenerationRequest) -> ChunkStream:
         rid = request.request_id
-        path, body = self._body(request)
-        prompt_tokens = self._prepared.take(rid)
-        if prompt_tokens is None:
-            prompt_tokens = await self._count_prompt(request)
-        state = _Running(prompt_tokens, self._tokenizer)
+        stream = ChunkStream(rid, self.cancel)
+        state = _Running(0, self._tokenizer)
         self._running[rid] = state
-        finish: FinishReason | None = None
-        usage: Usage | None = None
-        try:
-            resp = await self._open(path, body)
-            state.response = resp
-            try:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    event = json.loads(data)
-                    if "error" in event:
-                        err = event["error"]
-                        msg = err.get("message") if isinstance(err, dict) else err
-                        raise EngineError(f"the upstream failed mid-stream: {msg}")
-                    if event.get("usage"):
-                        u = event["usage"]
-                        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                        usage = Usage(
-                            int(u.get("prompt_tokens") or 0),
-                            int(u.get("completion_tokens") or 0),
-                            int(cached),
-                        )
-                    for choice in event.get("choices") or ():
-                        text = _choice_text(choice)
-                        logprobs: tuple[TokenLogprob, ...] = ()
-                        if request.sampling.logprobs is not None and text:
-                            logprobs = _logprobs(choice.get("logprobs"), state.chars)
-                        if text:
-                            state.add(text)
-                            self.tokens_generated += 1
-                            yield Chunk(text, logprobs=logprobs)
-                        if choice.get("finish_reason"):
-                            finish = "length" if choice["finish_reason"] == "length" else "stop"
-            except httpx.HTTPError as e:
-                if state.aborted:
-                    return
-                raise EngineError(
-                    f"the upstream connection failed mid-stream: {type(e).__name__}"
-                ) from None
-            finally:
-                await resp.aclose()
-            if state.aborted:
-                return
-            # The finish chunk comes before the usage chunk: it is sent once both are in.
-            yield Chunk("", finish or "stop", usage or state.usage())
-        except json.JSONDecodeError:
-            raise EngineError("the upstream sent a malformed event") from None
-        finally:
-            self._running.pop(rid, None)
-            self._recent[rid] = usage or state.usage()
-            while len(self._recent) > RECENT:
-                self._recent.popitem(last=False)
+        state.task = asyncio.create_task(self._relay(request, state, stream))
+        return stream
 
-    async def abort(self, request_id: str) -> Usage | None:
+    def cancel(self, request_id: str) -> None:
         """Close the upstream request (the upstream sees a disconnect and stops)."""
         state = self._running.get(request_id)
-        if state is None:
-            return self._recent.pop(request_id, None)
-        state.aborted = True
-        if state.response is not None:
-            await state.response.aclose()
-        return state.usage()
+        if state is not None and state.task is not None:
+            state.task.cancel()
+
+    async def _relay(
+        self, request: GenerationRequest, state: _Running, stream: ChunkStream
+    ) -> None:
+        """Read the upstream's answer into ``stream``, up to exactly one final item."""
+        rid = request.request_id
+        usage: Usage | None = None
+        try:
+            prompt_tokens = self._prepared.take(rid)
+            if prompt_tokens is None:
+                prompt_tokens = await self._count_prompt(request)
+            state.prompt_tokens = prompt_tokens
+            finish, usage = await self._stream(request, state, stream)
+            # The finish chunk comes before the usage chunk: it is sent once both are in.
+            stream.put(Chunk("", finish, usage or state.usage()))
+        except asyncio.CancelledError:
+            stream.put(Chunk("", "abort", usage or state.usage()))
+        except TokenmillError as e:
+            stream.put(e)
+        except json.JSONDecodeError:
+            stream.put(EngineError("the upstream sent a malformed event"))
+        except Exception as e:  # never leave a stream without its end
+            log.exception("relaying %s failed", rid)
+            stream.put(EngineError(f"the upstream relay failed: {type(e).__name__}"))
+        finally:
+            self._running.pop(rid, None)
+
+    async def _stream(
+        self, request: GenerationRequest, state: _Running, stream: ChunkStream
+    ) -> tuple[FinishReason, Usage | None]:
+        path, body = self._body(request)
+        finish: FinishReason | None = None
+        usage: Usage | None = None
+        resp = await self._open(path, body)
+        try:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    err = event["error"]
+                    msg = err.get("message") if isinstance(err, dict) else err
+                    raise EngineError(f"the upstream failed mid-stream: {msg}")
+                if event.get("usage"):
+                    u = event["usage"]
+                    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    usage = Usage(
+                        int(u.get("prompt_tokens") or 0),
+                        int(u.get("completion_tokens") or 0),
+                        int(cached),
+                    )
+                for choice in event.get("choices") or ():
+                    text = _choice_text(choice)
+                    logprobs: tuple[TokenLogprob, ...] = ()
+                    if request.sampling.logprobs is not None and text:
+                        logprobs = _logprobs(choice.get("logprobs"), state.chars)
+                    if text:
+                        state.add(text)
+                        self.tokens_generated += 1
+                        stream.put(Chunk(text, logprobs=logprobs))
+                    if choice.get("finish_reason"):
+                        finish = "length" if choice["finish_reason"] == "length" else "stop"
+        except httpx.HTTPError as e:
+            raise EngineError(
+                f"the upstream connection failed mid-stream: {type(e).__name__}"
+            ) from None
+        finally:
+            await asyncio.shield(resp.aclose())
+        return finish or "stop", usage
 
 
 def _logprobs(raw: Any, offset: int) -> tuple[TokenLogprob, ...]:

@@ -11,7 +11,6 @@ admission permit, settles the hold exactly once, and writes one log line.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -23,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from tokenmill.config import Settings
 from tokenmill.engines.base import Chunk, GenerationRequest, Usage
+from tokenmill.engines.chunks import ChunkStream
 from tokenmill.errors import (
     EngineError,
     NotFoundError,
@@ -42,6 +42,9 @@ from tokenmill.gateway.metering import (
 )
 
 log = logging.getLogger("tokenmill.requests")
+# A cancelled request's final chunk comes within a decode step; this only guards
+# against a wedged replica (whose probe kills it, which ends the stream too).
+CANCEL_WAIT_S = 10.0
 T = TypeVar("T")
 
 
@@ -96,7 +99,7 @@ class RequestStream:
         self.request = request
         self._hold = hold
         self.record = record
-        self._engine_stream: AsyncIterator[Chunk] | None = None
+        self._engine_stream: ChunkStream | None = None
         self._closing: asyncio.Task[None] | None = None
         self.usage: Usage | None = None
         # Set by the drain before it aborts this stream: the client is told why.
@@ -113,8 +116,8 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         rec = self.record
         observers = self._gateway.observers
-        self._engine_stream = self._replica.engine.generate(self.request)
         try:
+            self._engine_stream = self._replica.host.generate(self.request)
             async for chunk in self._engine_stream:
                 now = time.monotonic()
                 if rec.ttft_s is None and (chunk.text or chunk.finish_reason):
@@ -187,21 +190,21 @@ class RequestStream:
         if rec.finish_reason not in ("stop", "length") and rec.status == "ok":
             rec.finish_reason = "abort"
             rec.status = "cancelled"
-        finished = rec.finish_reason in ("stop", "length")
         # Capacity first: the slot and the permit return before any slow bookkeeping.
         self._gateway._release(self.deployment, self._replica, rec)
         try:
-            if not finished and stream is not None:
-                # Stop generation and learn how many tokens were really produced:
-                # those are paid for, even if the client never saw them.
-                usage = await _shielded(self._replica.engine.abort(self.request_id))
-                if usage is not None:
-                    rec.completion_tokens = max(rec.completion_tokens, usage.completion_tokens)
             if stream is not None:
-                aclose = getattr(stream, "aclose", None)
-                if aclose is not None:
-                    with contextlib.suppress(Exception):
-                        await _shielded(aclose())
+                if not stream.ended:
+                    # Stop generation and learn how many tokens were really produced:
+                    # those are paid for, even if the client never saw them. The
+                    # stream's final chunk (or the replica's death) says; a reader
+                    # still on the stream gets it too.
+                    stream.cancel()
+                    if not await _shielded(stream.wait_end(CANCEL_WAIT_S)):
+                        log.error(
+                            "request %s did not stop within %ss", self.request_id, CANCEL_WAIT_S
+                        )
+                rec.completion_tokens = max(rec.completion_tokens, stream.tokens)
         finally:
             try:
                 await self._gateway._settle(self._hold, rec)
@@ -223,7 +226,7 @@ class Gateway:
     def __init__(self, settings: Settings, meter: Meter | None = None) -> None:
         self.settings = settings
         self.deployments: dict[str, Deployment] = {
-            d.id: Deployment(d) for d in settings.deployments
+            d.id: Deployment(d, ray_address=settings.ray_address) for d in settings.deployments
         }
         self.meter: Meter = meter or FreeMeter()
         self.observers: list[Observer] = []
@@ -324,7 +327,7 @@ class Gateway:
         hold: HoldRequest | None = None
         try:
             replica = await deployment.pick()
-            info = await replica.engine.prepare(request)
+            info = await replica.host.prepare(request)
             record.prompt_tokens = info.prompt_tokens
             max_tokens = request.sampling.max_tokens
             if max_tokens <= 0:  # not given: the rest of the context window

@@ -1,8 +1,8 @@
 """Deployments and their replicas.
 
 A :class:`Deployment` is a named model (the ``model`` clients send) with one or more
-:class:`Replica` objects, each wrapping one :class:`~tokenmill.engines.base.Engine`
-(an in-process llama.cpp context, a supervised child process, a remote endpoint).
+:class:`Replica` objects, each on a :class:`~tokenmill.gateway.hosts.ReplicaHost`
+(the engine in this process, in a supervised child process, or in a Ray actor).
 Requests are admitted against the deployment's total slots and routed to the ready
 replica with the fewest outstanding requests.
 """
@@ -13,118 +13,81 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from tokenmill.config import DeploymentConfig
-from tokenmill.engines import Engine, load_engine_class
-from tokenmill.engines.threads import available_cpus
+from tokenmill.config import DeploymentConfig, ReplicatedDeployment
+from tokenmill.engines import create_engine
 from tokenmill.errors import UnavailableError
 from tokenmill.gateway.admission import Admission
+from tokenmill.gateway.hosts import ADMITTING, LocalHost, ReplicaHost, ReplicaState
+from tokenmill.gateway.process import ProcessLauncher
+from tokenmill.gateway.supervised import Launcher, SupervisedHost
 
 log = logging.getLogger("tokenmill.gateway")
 
-ReplicaState = Literal["loading", "ready", "unhealthy", "unloaded"]
-
 
 class Replica:
-    def __init__(self, deployment_id: str, index: int, engine: Engine, slots: int) -> None:
+    """One replica of a deployment: its host, and the gateway's routing counters."""
+
+    def __init__(self, deployment_id: str, index: int, host: ReplicaHost, slots: int) -> None:
         self.deployment_id = deployment_id
         self.index = index
-        self.engine = engine
+        self.host = host
         self.slots = slots
         self.in_flight = 0
-        self.state: ReplicaState = "unloaded"
-        self.restarts = 0
         self.last_used = time.monotonic()
 
-    async def start(self) -> None:
-        self.state = "loading"
-        try:
-            await self.engine.start()
-        except BaseException:
-            self.state = "unhealthy"
-            raise
-        self.state = "ready"
-
-    async def close(self) -> None:
-        await self.engine.close()
-        self.state = "unloaded"
+    @property
+    def state(self) -> ReplicaState:
+        return self.host.state
 
     def serving(self) -> bool:
-        """Ready, and its engine too (a process replica between a crash and its
-        restart is ``ready`` here while its engine is not)."""
-        return self.state == "ready" and self.engine.health().ready
+        return self.host.state == "ready"
 
     def available(self) -> bool:
         """Counts toward the deployment's capacity: serving, or loads on demand."""
-        return self.state in ("unloaded", "loading") or self.serving()
+        return self.host.state in ADMITTING
 
     def describe(self) -> dict[str, Any]:
-        h = self.engine.health()
-        pid = getattr(self.engine, "pid", None)
-        state: str = self.state
-        if state == "ready" and not h.ready:
-            # A process replica between a crash and its restart says which it is.
-            state = getattr(self.engine, "state", "unhealthy")
-            if state == "ready":
-                state = "unhealthy"
-        return {
+        h = self.host.health()
+        where = self.host.location()
+        out: dict[str, Any] = {
             "index": self.index,
-            "pid": pid,
-            "state": state,
+            "host": self.host.kind,
+            "pid": where.pid,
+            "state": self.host.state,
             "in_flight": self.in_flight,
             "queued": h.waiting,
             "slots": self.slots,
-            "restarts": getattr(self.engine, "restarts", self.restarts),
+            "restarts": self.host.restarts,
             "tokens_generated": h.tokens_generated,
             "threads": h.threads,
         }
+        if self.host.kind == "ray":
+            out["node_id"] = where.node_id
+            out["node_address"] = where.node_address
+        return out
 
 
-# Not in the engine name table: only a deployment that says engine = "scripted" gets it.
-SCRIPTED_ENGINE = "tokenmill.engines.scripted:ScriptedEngine"
+def build_host(config: DeploymentConfig, *, ray_address: str | None = None) -> ReplicaHost:
+    """The host of one replica of ``config``: where its engine runs is its placement
+    (a Ray placement joins the cluster at ``ray_address``, or starts a local one)."""
+    if not isinstance(config, ReplicatedDeployment) or config.placement == "local":
+        return LocalHost(create_engine(config))
+    launcher: Launcher
+    if config.placement == "ray":
+        from tokenmill.gateway.rayhost import RayLauncher
 
-
-def build_engine(config: DeploymentConfig) -> Engine:
-    """Instantiate the engine one replica of ``config`` runs."""
-    if config.engine == "scripted":
-        scripted: dict[str, Any] = {
-            "control": str(config.control),
-            "max_num_seqs": config.max_num_seqs,
-            "n_ctx": config.n_ctx,
-        }
-        if config.isolated:  # driven in replica processes, like llama.cpp
-            process = load_engine_class("tokenmill.gateway.process:ProcessEngine")
-            return process(  # type: ignore[no-any-return]
-                SCRIPTED_ENGINE,
-                scripted,
-                probe_interval_s=config.health_check_interval_s,
-                probe_timeout_s=config.health_check_timeout_s,
-            )
-        return load_engine_class(SCRIPTED_ENGINE)(**scripted)  # type: ignore[no-any-return]
-    if config.engine == "llamacpp":
-        kwargs: dict[str, Any] = {
-            "model_path": config.model,
-            "max_num_seqs": config.max_num_seqs,
-            "n_ctx": config.n_ctx,
-            "n_threads": config.n_threads,
-            "adapt_threads": config.adapt_threads,
-        }
-        if config.n_threads is None and config.replicas > 1:
-            # Replicas of one deployment share the cores; oversubscribed llama.cpp
-            # thread pools spin against each other and every replica slows down.
-            kwargs["n_threads"] = max(1, available_cpus() // config.replicas)
-        if config.isolated:
-            cls = load_engine_class("tokenmill.gateway.process:ProcessEngine")
-            return cls(  # type: ignore[no-any-return]
-                "llamacpp",
-                kwargs,
-                probe_interval_s=config.health_check_interval_s,
-                probe_timeout_s=config.health_check_timeout_s,
-                nice=config.replica_nice,
-            )
-        return load_engine_class("llamacpp")(**kwargs)  # type: ignore[no-any-return]
-    return load_engine_class(config.engine)(config)  # type: ignore[no-any-return]
+        launcher = RayLauncher(config, ray_address)
+    else:
+        launcher = ProcessLauncher(config.model_dump(mode="json"), nice=config.replica_nice)
+    return SupervisedHost(
+        launcher,
+        slots=config.max_num_seqs,
+        context_length=config.n_ctx,
+        probe_interval_s=config.health_check_interval_s,
+        probe_timeout_s=config.health_check_timeout_s,
+    )
 
 
 @dataclass
@@ -133,23 +96,27 @@ class _Idle:
 
 
 class Deployment:
-    def __init__(self, config: DeploymentConfig, engines: list[Engine] | None = None) -> None:
+    def __init__(
+        self,
+        config: DeploymentConfig,
+        hosts: list[ReplicaHost] | None = None,
+        *,
+        ray_address: str | None = None,
+    ) -> None:
         self.config = config
         self.id = config.id
-        if engines is None:
-            n = 1 if config.engine == "upstream" else config.replicas
-            engines = [build_engine(config) for _ in range(n)]
+        if hosts is None:
+            n = getattr(config, "replicas", 1)
+            hosts = [build_host(config, ray_address=ray_address) for _ in range(n)]
         slots = config.max_num_seqs
-        self.replicas = [Replica(self.id, i, e, slots) for i, e in enumerate(engines)]
+        self.replicas = [Replica(self.id, i, h, slots) for i, h in enumerate(hosts)]
         self.admission = Admission(
             capacity=sum(r.slots for r in self.replicas),
             max_queue=config.max_queue,
             queue_timeout_s=config.queue_timeout_s,
         )
         for replica in self.replicas:
-            watch = getattr(replica.engine, "watch", None)
-            if callable(watch):  # engines whose replicas can go down and come back
-                watch(self.refresh_capacity)
+            replica.host.on_change(self.refresh_capacity)
         self.created = int(time.time())
         self._load_lock = asyncio.Lock()
         self._idle = _Idle()
@@ -162,12 +129,12 @@ class Deployment:
         if self.config.idle_unload_s is not None:
             self._idle.task = asyncio.create_task(self._unload_idle())
             return  # replicas load on first request
-        await asyncio.gather(*(r.start() for r in self.replicas))
+        await asyncio.gather(*(r.host.start() for r in self.replicas))
 
     async def close(self) -> None:
         if self._idle.task is not None:
             self._idle.task.cancel()
-        await asyncio.gather(*(r.close() for r in self.replicas), return_exceptions=True)
+        await asyncio.gather(*(r.host.close() for r in self.replicas), return_exceptions=True)
 
     async def pick(self) -> Replica:
         """The ready replica with the fewest outstanding requests (loading it if idle)."""
@@ -177,7 +144,7 @@ class Deployment:
                 async with self._load_lock:
                     try:
                         await asyncio.gather(
-                            *(r.start() for r in self.replicas if r.state == "unloaded")
+                            *(r.host.start() for r in self.replicas if r.state == "unloaded")
                         )
                     finally:
                         self.refresh_capacity()
@@ -192,14 +159,14 @@ class Deployment:
         best.last_used = time.monotonic()
         return best
 
-    async def any_engine(self) -> Engine:
-        """A serving replica's engine, for work outside admission (tokenizing).
+    async def any_host(self) -> ReplicaHost:
+        """A serving replica, for work outside admission (tokenizing).
 
         Loads the replicas of an idle-unloaded deployment as a generation would.
         """
         replica = await self.pick()
         self.release(replica)
-        return replica.engine
+        return replica.host
 
     def refresh_capacity(self) -> None:
         """Admit against the slots of the replicas that can serve right now."""
@@ -222,7 +189,7 @@ class Deployment:
                 if r.state == "ready" and r.in_flight == 0 and now - r.last_used > limit:
                     async with self._load_lock:
                         log.info("unloading idle replica %s/%d", self.id, r.index)
-                        await r.close()
+                        await r.host.close()
                         self.refresh_capacity()
 
     def describe(self) -> dict[str, Any]:

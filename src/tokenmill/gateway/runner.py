@@ -1,15 +1,19 @@
-"""The child side of a process replica: ``python -m tokenmill.gateway.runner``.
+"""The replica side of a supervised replica: :func:`serve`.
 
-Loads one engine, then serves the frames of :mod:`tokenmill.gateway.process` on the
-socket inherited as ``--fd``. Exits when the gateway says ``close`` or when the
-socket reaches EOF (the gateway is gone), so an orphaned child never lingers.
+Builds the engine of one deployment config section, then answers the frames of
+:mod:`tokenmill.gateway.wire` until the gateway says ``close`` or is gone, so an
+orphaned replica never lingers. A replica process runs it as ``python -m
+tokenmill.gateway.runner`` over the socket inherited as ``--fd``; a Ray actor
+(:mod:`tokenmill.gateway.ray`) runs the same loop over Ray calls.
 
 An engine with a step sink (``set_step_sink`` / ``submit`` / ``cancel``, as the
 llama.cpp engine has) hands each decode step's chunks to the sink on its decode
 thread, which writes them to the gateway as one frame right there: a token crosses
 no event loop in this process. Other engines are driven through the plain
-``generate()`` interface on the event loop. Either way every frame goes through
-one :class:`FrameWriter`, so frames from both threads never interleave.
+``generate()`` interface on the event loop. Either way every frame goes through one
+:class:`FrameOut`, so frames from both threads never interleave. An ``abort`` frame
+is the engine's ``cancel``: the request's final chunk (``abort``, with its usage)
+answers it like any other final chunk.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
-from tokenmill.engines import Engine, load_engine_class
+from tokenmill.engines import Engine
 from tokenmill.engines.base import (
     Chunk,
     GenerationRequest,
@@ -36,14 +41,14 @@ from tokenmill.engines.base import (
     StepSink,
     TokenizingEngine,
 )
-from tokenmill.errors import EngineError, InvalidRequestError
-from tokenmill.gateway.process import (
+from tokenmill.engines.chunks import ChunkStream
+from tokenmill.errors import InvalidRequestError
+from tokenmill.gateway.wire import (
+    chunk_row,
     decode_request,
     decode_tokenize,
     encode_error,
     encode_frame,
-    encode_logprobs,
-    encode_usage,
     read_frame,
 )
 
@@ -51,6 +56,15 @@ log = logging.getLogger("tokenmill.gateway.runner")
 
 # Health is pushed to the gateway at most this often, and only when it changed.
 STATUS_INTERVAL_S = 0.25
+
+
+class FrameOut(Protocol):
+    """Where a replica's frames go: whole frames, in order, from any thread."""
+
+    def send(self, message: dict[str, Any]) -> None: ...
+
+
+Receive = Callable[[], Awaitable[dict[str, Any] | None]]
 
 
 class FrameWriter:
@@ -82,12 +96,6 @@ class FrameWriter:
                         self.closed = True
 
 
-def chunk_row(rid: str, chunk: Chunk) -> list[Any]:
-    usage = encode_usage(chunk.usage)
-    logprobs = encode_logprobs(chunk.logprobs)
-    return [rid, chunk.text, chunk.finish_reason, usage, chunk.tokens, logprobs]
-
-
 class Outbox:
     """Chunks produced in one decode step leave together, in one frame.
 
@@ -96,7 +104,7 @@ class Outbox:
     one runs after all of them.
     """
 
-    def __init__(self, writer: FrameWriter) -> None:
+    def __init__(self, writer: FrameOut) -> None:
         self._writer = writer
         self._chunks: list[list[Any]] = []
         self._scheduled = False
@@ -123,11 +131,13 @@ class Outbox:
 
 
 class Runner:
+    """The replica loop: frames in, the engine driven, frames out."""
+
     def __init__(self, engine: Engine, out: Outbox) -> None:
         self.engine = engine
         self.out = out
-        self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.finished: set[str] = set()
+        # Streams of engines without a step sink, pumped into ``chunks`` frames.
+        self.pumps: dict[str, asyncio.Task[None]] = {}
 
     def status(self) -> dict[str, Any]:
         h = self.engine.health()
@@ -141,7 +151,7 @@ class Runner:
             "kv_cache_usage": round(h.kv_cache_usage, 4),
             "threads": h.threads,
             # Whole seconds the current decode step has been running: the gateway's
-            # probe kills a child whose engine hangs in native code.
+            # probe kills a replica whose engine hangs in native code.
             "stalled_s": int(stalled) if isinstance(stalled, int | float) else 0,
             "context_length": (
                 self.engine.context_length() if isinstance(self.engine, TokenizingEngine) else None
@@ -190,66 +200,54 @@ class Runner:
             return
         self.out.send({"op": "answer", "id": call_id, **answer})
 
-    async def generate(self, req: GenerationRequest) -> None:
+    def generate(self, req: GenerationRequest) -> None:
+        """Start a request; a task copies its stream, final chunk included, to frames."""
         rid = req.request_id
         try:
-            async for chunk in self.engine.generate(req):
-                self.out.chunk(rid, chunk)
-                if chunk.finish_reason is not None:
-                    self.finished.add(rid)
-                    return
-            raise EngineError("the engine ended the stream without finishing it")
-        except asyncio.CancelledError:
-            return  # aborted: abort() reports the final usage
+            stream = self.engine.generate(req)
         except Exception as e:
-            self.finished.add(rid)
+            self.out.send({"op": "error", "id": rid, "error": encode_error(e)})
+            return
+        task = asyncio.create_task(self._pump(rid, stream))
+        self.pumps[rid] = task
+        task.add_done_callback(lambda _: self.pumps.pop(rid, None))
+
+    async def _pump(self, rid: str, stream: ChunkStream) -> None:
+        try:
+            async for chunk in stream:
+                self.out.chunk(rid, chunk)
+        except Exception as e:
             self.out.send({"op": "error", "id": rid, "error": encode_error(e)})
 
-    async def abort(self, rid: str, task: asyncio.Task[None]) -> None:
-        task.cancel()
-        await asyncio.wait([task])
-        self.tasks.pop(rid, None)
-        if rid in self.finished:
-            self.finished.discard(rid)
-            return  # it finished on its own; the gateway has its final chunk
-        # The engine counts what it really produced; that is what gets billed.
-        usage = await self.engine.abort(rid)
-        self.out.chunk(rid, Chunk("", "abort", usage))
 
-    def start_generate(self, req: GenerationRequest) -> None:
-        rid = req.request_id
-        task = asyncio.create_task(self.generate(req))
-        self.tasks[rid] = task
-
-        def done(_: asyncio.Task[None]) -> None:
-            if self.tasks.get(rid) is task and rid in self.finished:
-                self.tasks.pop(rid, None)
-                self.finished.discard(rid)
-
-        task.add_done_callback(done)
-
-
-def step_sink(writer: FrameWriter) -> StepSink:
+def step_sink(out: FrameOut) -> StepSink:
     """The engine's step sink: one ``chunks`` frame per step, then any errors."""
 
     def sink(events: list[tuple[str, Chunk | BaseException]]) -> None:
         rows = [chunk_row(rid, item) for rid, item in events if isinstance(item, Chunk)]
         if rows:
-            writer.send({"op": "chunks", "c": rows})
+            out.send({"op": "chunks", "c": rows})
         for rid, item in events:
             if not isinstance(item, Chunk):
-                writer.send({"op": "error", "id": rid, "error": encode_error(item)})
+                out.send({"op": "error", "id": rid, "error": encode_error(item)})
 
     return sink
 
 
-async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
-    sock = socket.socket(fileno=fd)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
-    frames = FrameWriter(sock)
+def create_engine_from(section: dict[str, Any]) -> Engine:
+    """The engine of a deployment's config section, received as JSON."""
+    from tokenmill.config import parse_section
+    from tokenmill.engines import create_engine
+
+    return create_engine(parse_section(section))
+
+
+async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> int:
+    """Run one replica: load the engine ``section`` describes, then answer frames from
+    ``receive`` on ``frames`` until ``close`` or the gateway is gone."""
     out = Outbox(frames)
-    engine: Engine = load_engine_class(engine_name)(**kwargs)
     try:
+        engine = create_engine_from(section)
         await engine.start()
     except Exception as e:
         log.error("the engine failed to load: %s", e)
@@ -261,30 +259,24 @@ async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
         stepped.set_step_sink(step_sink(frames))
     out.send({"op": "ready", "status": runner.status()})
     status_task = asyncio.create_task(runner.push_status())
-    aborts: set[asyncio.Task[None]] = set()
     try:
         while True:
-            msg = await read_frame(reader)
+            msg = await receive()
             if msg is None or msg["op"] == "close":
                 break
             op = msg["op"]
-            if op == "generate" and stepped is not None:
+            if op == "generate":
                 req = decode_request(msg["req"])
+                if stepped is None:
+                    runner.generate(req)
+                    continue
                 try:
                     stepped.submit(req)
                 except Exception as e:
                     out.send({"op": "error", "id": req.request_id, "error": encode_error(e)})
-            elif op == "abort" and stepped is not None:
-                stepped.cancel(msg["id"])
-            elif op == "generate":
-                runner.start_generate(decode_request(msg["req"]))
             elif op == "abort":
-                rid = msg["id"]
-                task = runner.tasks.get(rid)
-                if task is not None:
-                    t = asyncio.create_task(runner.abort(rid, task))
-                    aborts.add(t)
-                    t.add_done_callback(aborts.discard)
+                # The one way to stop a request: its final chunk ("abort") follows.
+                engine.cancel(msg["id"])
             elif op == "prepare":
                 await runner.prepare(decode_request(msg["req"]))
             elif op in ("tokenize", "detokenize"):
@@ -293,20 +285,32 @@ async def serve(fd: int, engine_name: str, kwargs: dict[str, Any]) -> int:
                 out.send({"op": "pong", "status": runner.status()})
     finally:
         status_task.cancel()
-        for task in list(runner.tasks.values()):
+        for task in list(runner.pumps.values()):
             task.cancel()
         await engine.close()
         out.flush()
+    return 0
+
+
+async def serve_socket(fd: int, section: dict[str, Any]) -> int:
+    """A replica process: frames over the socket inherited as ``--fd``."""
+    sock = socket.socket(fileno=fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+
+    async def receive() -> dict[str, Any] | None:
+        return await read_frame(reader)
+
+    try:
+        return await serve(receive, FrameWriter(sock), section)
+    finally:
         with contextlib.suppress(Exception):
             writer.close()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill.gateway.runner")
     parser.add_argument("--fd", type=int, required=True)
-    parser.add_argument("--engine", required=True)
-    parser.add_argument("--kwargs", default="{}")
+    parser.add_argument("--section", required=True, help="the deployment's config, JSON")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--nice", type=int, default=0)
     args = parser.parse_args(argv)
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Ctrl-C reaches the whole process group; the gateway decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return asyncio.run(serve(args.fd, args.engine, json.loads(args.kwargs)))
+    return asyncio.run(serve_socket(args.fd, json.loads(args.section)))
 
 
 if __name__ == "__main__":

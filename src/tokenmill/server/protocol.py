@@ -560,13 +560,19 @@ class ReplicaInfo(BaseModel):
     # The gateway describes itself; fields it adds later pass through.
     model_config = ConfigDict(extra="allow")
     index: int
+    # Where it runs: "local" (the gateway's process), "process" or "ray".
+    host: Literal["local", "process", "ray"]
     pid: int | None
-    state: str
+    # On Ray: the node the replica's actor runs on.
+    node_id: str | None = None
+    node_address: str | None = None
+    state: Literal["unloaded", "loading", "ready", "restarting", "unhealthy"]
     in_flight: int
     queued: int
     slots: int
     restarts: int
     tokens_generated: int
+    threads: int | None = None
 
 
 class DeploymentInfo(BaseModel):

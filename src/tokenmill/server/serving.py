@@ -16,11 +16,10 @@ from typing import Any, Literal
 from tokenmill.engines.base import (
     GenerationRequest,
     TokenizeRequest,
-    TokenizingEngine,
     TokenLogprob,
     Usage,
 )
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import TokenmillError
 from tokenmill.gateway.core import Gateway, RequestStream
 from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.metering import Caller
@@ -283,19 +282,9 @@ async def open_generation(
     )
 
 
-async def _tokenizer(deployment: Deployment) -> TokenizingEngine:
-    engine = await deployment.any_engine()
-    if not isinstance(engine, TokenizingEngine):
-        raise InvalidRequestError(
-            f"deployment {deployment.id!r} ({engine.name}) has no tokenizer to use",
-            param="model",
-        )
-    return engine
-
-
 async def tokenize(deployment: Deployment, body: TokenizeBody) -> Tokenized:
     """The prompt's token ids, as a generation with the same prompt would see them."""
-    engine = await _tokenizer(deployment)
+    host = await deployment.any_host()
     messages = None
     if body.messages is not None:
         messages = tuple(m.to_chat_message() for m in body.messages)
@@ -305,10 +294,10 @@ async def tokenize(deployment: Deployment, body: TokenizeBody) -> Tokenized:
         chat_template=body.chat_template,
         add_generation_prompt=body.add_generation_prompt,
     )
-    tokens = await engine.tokenize(request)
-    return Tokenized(tokens=tokens, count=len(tokens), max_model_len=engine.context_length())
+    tokens = await host.tokenize(request)
+    return Tokenized(tokens=tokens, count=len(tokens), max_model_len=host.context_length())
 
 
 async def detokenize(deployment: Deployment, body: DetokenizeBody) -> Detokenized:
-    engine = await _tokenizer(deployment)
-    return Detokenized(prompt=await engine.detokenize(body.tokens))
+    host = await deployment.any_host()
+    return Detokenized(prompt=await host.detokenize(body.tokens))

@@ -1,0 +1,176 @@
+"""Replica hosts: where a replica's engine runs, behind one interface the gateway drives.
+
+A deployment's replica is a :class:`ReplicaHost`. The gateway admits, holds credit,
+routes, streams, cancels and settles the same way whichever host it is:
+
+* :class:`LocalHost`: the engine in the gateway's own process (``placement =
+  "local"``: embedding tokenmill, the benchmark's ceiling);
+* :class:`~tokenmill.gateway.supervised.SupervisedHost` over a child process
+  (``placement = "process"``, the default: a crash in native code takes down one
+  replica, not the gateway) or over a Ray actor (``placement = "ray"``: a replica on
+  any node of a Ray cluster). The supervised host restarts a replica that died or
+  hangs; what carries its frames is the only difference between the two.
+
+A host has one state, and it alone says whether the replica serves: ``ready``
+serves; ``unloaded`` and ``loading`` count toward the deployment's capacity (an
+idle replica loads on its first request); ``restarting`` (died, coming back) and
+``unhealthy`` (failed, not coming back by itself) do not, so while no replica is
+ready requests wait in the deployment's queue.
+
+Requests keep the engine contract (:mod:`tokenmill.engines.base`): ``generate``
+returns a :class:`~tokenmill.engines.chunks.ChunkStream` ending in exactly one final
+item, ``cancel`` is fire-and-forget and ends the stream with the tokens produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from tokenmill.engines.base import (
+    Engine,
+    EngineHealth,
+    GenerationRequest,
+    PromptInfo,
+    TokenizeRequest,
+    TokenizingEngine,
+)
+from tokenmill.engines.chunks import ChunkStream
+from tokenmill.errors import InvalidRequestError
+
+ReplicaState = Literal["unloaded", "loading", "ready", "restarting", "unhealthy"]
+# States that count toward a deployment's capacity (see the module docstring).
+ADMITTING: frozenset[ReplicaState] = frozenset({"unloaded", "loading", "ready"})
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLocation:
+    """Where a replica runs now: its process, and its Ray node when on Ray."""
+
+    pid: int | None = None
+    node_id: str | None = None
+    node_address: str | None = None
+
+
+@runtime_checkable
+class ReplicaHost(Protocol):
+    """One replica of a deployment, wherever it runs. See the module docstring."""
+
+    kind: str  # "local", "process" or "ray"
+
+    @property
+    def state(self) -> ReplicaState: ...
+
+    @property
+    def restarts(self) -> int:
+        """Times the replica was restarted after dying or hanging."""
+        ...
+
+    def location(self) -> ReplicaLocation: ...
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the event loop) whenever ``state`` changes."""
+
+    async def start(self) -> None:
+        """Load the replica; raise (and be ``unhealthy``) if it cannot. Idempotent."""
+
+    async def close(self) -> None:
+        """Stop the replica; open streams end with an error. State ``unloaded``."""
+
+    async def prepare(self, request: GenerationRequest) -> PromptInfo: ...
+
+    def generate(self, request: GenerationRequest) -> ChunkStream: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]: ...
+
+    async def detokenize(self, tokens: Sequence[int]) -> str: ...
+
+    def context_length(self) -> int: ...
+
+    def health(self) -> EngineHealth: ...
+
+
+class LocalHost:
+    """The engine in the gateway's own process (``placement = "local"``)."""
+
+    kind = "local"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._state: ReplicaState = "unloaded"
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = asyncio.Lock()
+
+    @property
+    def state(self) -> ReplicaState:
+        if self._state == "ready" and not self.engine.health().ready:
+            return "unhealthy"  # its engine failed (a dead decode loop): no restart here
+        return self._state
+
+    @property
+    def restarts(self) -> int:
+        return 0
+
+    def location(self) -> ReplicaLocation:
+        return ReplicaLocation()
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def _set(self, state: ReplicaState) -> None:
+        if state != self._state:
+            self._state = state
+            for callback in self._callbacks:
+                callback()
+
+    async def start(self) -> None:
+        async with self._lock:
+            if self._state == "ready":
+                return
+            self._set("loading")
+            try:
+                await self.engine.start()
+            except BaseException:
+                self._set("unhealthy")
+                raise
+            self._set("ready")
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self.engine.close()
+            self._set("unloaded")
+
+    async def prepare(self, request: GenerationRequest) -> PromptInfo:
+        return await self.engine.prepare(request)
+
+    def generate(self, request: GenerationRequest) -> ChunkStream:
+        return self.engine.generate(request)
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+
+    def _tokenizer(self) -> TokenizingEngine:
+        if not isinstance(self.engine, TokenizingEngine):
+            raise InvalidRequestError(
+                f"the {self.engine.name} engine has no tokenizer", param="model"
+            )
+        return self.engine
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+        return await self._tokenizer().tokenize(request)
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        return await self._tokenizer().detokenize(tokens)
+
+    def context_length(self) -> int:
+        return self._tokenizer().context_length()
+
+    def health(self) -> EngineHealth:
+        return self.engine.health()
+
+
+__all__ = ["ADMITTING", "LocalHost", "ReplicaHost", "ReplicaLocation", "ReplicaState"]

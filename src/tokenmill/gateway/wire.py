@@ -1,0 +1,177 @@
+"""The frames a replica and its gateway exchange, whatever carries them.
+
+A replica that runs outside the gateway's process (a child process, a Ray actor) and
+the gateway talk in frames: JSON objects with an ``op``. Over a socket each frame is
+length-prefixed (4-byte big-endian length, then UTF-8 JSON); over Ray each frame is
+one object. Requests are multiplexed by request id. The replica batches every chunk
+its engine produced in one decode step into one ``chunks`` frame, so the per-token
+cost is one small frame per step shared by all running streams, not one message per
+token.
+
+Frames, gateway -> replica: ``prepare``, ``generate``, ``abort`` (by id: the one way
+to stop a request, answered by its final ``abort`` chunk), ``tokenize``,
+``detokenize`` (by call id), ``ping``, ``close``. Replica -> gateway: ``ready`` /
+``fatal`` (start-up), ``prepared``, ``chunks``, ``answer`` (to a ``tokenize`` or
+``detokenize``), ``error`` (by id), ``status`` (the health snapshot, pushed when it
+changes), ``pong``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import struct
+from typing import Any
+
+from tokenmill import errors
+from tokenmill.engines.base import (
+    ChatMessage,
+    Chunk,
+    GenerationRequest,
+    SamplingParams,
+    TokenizeRequest,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from tokenmill.errors import EngineError, TokenmillError
+
+HEADER = struct.Struct(">I")
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    payload = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
+    return HEADER.pack(len(payload)) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """The next frame, or None at end of stream (the peer is gone)."""
+    try:
+        header = await reader.readexactly(HEADER.size)
+        (size,) = HEADER.unpack(header)
+        payload = await reader.readexactly(size)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+    message: dict[str, Any] = json.loads(payload)
+    return message
+
+
+def encode_request(r: GenerationRequest) -> dict[str, Any]:
+    sampling = dataclasses.asdict(r.sampling)
+    sampling["stop"] = list(r.sampling.stop)
+    return {
+        "id": r.request_id,
+        "s": sampling,
+        "p": r.prompt,
+        "m": None if r.messages is None else [[m.role, m.content] for m in r.messages],
+        "t": r.chat_template,
+        "k": None if r.prompt_tokens is None else list(r.prompt_tokens),
+    }
+
+
+def encode_tokenize(r: TokenizeRequest) -> dict[str, Any]:
+    messages = None if r.messages is None else [[m.role, m.content] for m in r.messages]
+    return {"p": r.prompt, "m": messages, "t": r.chat_template, "g": r.add_generation_prompt}
+
+
+def decode_tokenize(d: dict[str, Any]) -> TokenizeRequest:
+    messages = d["m"]
+    return TokenizeRequest(
+        prompt=d["p"],
+        messages=None if messages is None else tuple(ChatMessage(r, c) for r, c in messages),
+        chat_template=d["t"],
+        add_generation_prompt=bool(d["g"]),
+    )
+
+
+def decode_request(d: dict[str, Any]) -> GenerationRequest:
+    s = dict(d["s"])
+    s["stop"] = tuple(s["stop"])
+    s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
+    messages = d["m"]
+    tokens = d.get("k")
+    return GenerationRequest(
+        request_id=d["id"],
+        sampling=SamplingParams(**s),
+        prompt=d["p"],
+        messages=None if messages is None else tuple(ChatMessage(r, c) for r, c in messages),
+        chat_template=d["t"],
+        prompt_tokens=None if tokens is None else tuple(int(t) for t in tokens),
+    )
+
+
+def encode_usage(u: Usage | None) -> list[int] | None:
+    return None if u is None else [u.prompt_tokens, u.completion_tokens, u.cached_tokens]
+
+
+def decode_usage(u: list[int] | None) -> Usage | None:
+    return None if u is None else Usage(u[0], u[1], u[2])
+
+
+# Token bytes travel as latin-1 text: one character a byte, valid JSON, no base64.
+def encode_logprobs(tokens: tuple[TokenLogprob, ...]) -> list[Any] | None:
+    if not tokens:
+        return None
+    return [
+        [
+            t.piece.decode("latin-1"),
+            t.logprob,
+            t.offset,
+            [[top.piece.decode("latin-1"), top.logprob] for top in t.top],
+        ]
+        for t in tokens
+    ]
+
+
+def decode_logprobs(rows: list[Any] | None) -> tuple[TokenLogprob, ...]:
+    if not rows:
+        return ()
+    return tuple(
+        TokenLogprob(
+            piece.encode("latin-1"),
+            logprob,
+            offset,
+            tuple(TopLogprob(p.encode("latin-1"), lp) for p, lp in top),
+        )
+        for piece, logprob, offset, top in rows
+    )
+
+
+def encode_error(e: BaseException) -> dict[str, Any]:
+    if isinstance(e, TokenmillError):
+        out: dict[str, Any] = {
+            "type": type(e).__name__,
+            "message": e.message,
+            "param": e.param,
+            "code": e.code,
+        }
+        retry_after = getattr(e, "retry_after", None)
+        if retry_after is not None:
+            out["retry_after"] = retry_after
+        return out
+    return {"type": "EngineError", "message": f"the replica failed: {type(e).__name__}: {e}"}
+
+
+def decode_error(d: dict[str, Any]) -> TokenmillError:
+    cls = getattr(errors, str(d.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, TokenmillError)):
+        cls = EngineError
+    message = str(d.get("message", "the replica failed"))
+    if cls is errors.OverloadedError:
+        return errors.OverloadedError(
+            message, retry_after=float(d.get("retry_after", 1.0)), code=d.get("code")
+        )
+    return cls(message, param=d.get("param"), code=d.get("code"))
+
+
+def chunk_row(rid: str, chunk: Chunk) -> list[Any]:
+    """One row of a ``chunks`` frame."""
+    usage = encode_usage(chunk.usage)
+    logprobs = encode_logprobs(chunk.logprobs)
+    return [rid, chunk.text, chunk.finish_reason, usage, chunk.tokens, logprobs]
+
+
+def decode_chunk_row(row: list[Any]) -> tuple[str, Chunk]:
+    rid, text, reason, usage, tokens, logprobs = row
+    return rid, Chunk(text, reason, decode_usage(usage), tokens, decode_logprobs(logprobs))
