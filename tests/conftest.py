@@ -2,6 +2,7 @@
 
 ``server`` is one gateway with the embedded SmolLM2 model, shared by the session.
 ``start_server`` starts others with a config file and environment of the test's own.
+``ray_cluster`` is a Ray cluster on this machine for replicas placed on Ray.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -144,3 +146,62 @@ def driver(start_server: Callable[..., ServerProcess]) -> Iterator[EngineDriver]
     drv = EngineDriver()
     yield drv
     drv.close()
+
+
+@dataclass
+class RayCluster:
+    """A Ray cluster owned by the test session: a head node, and nodes tests add."""
+
+    cluster: Any
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def add_node(self, **resources: float) -> str:
+        """Start a node offering ``resources`` (and 1 CPU); its node id."""
+        node = self.cluster.add_node(num_cpus=1, resources=resources, **RAY_NODE_ARGS)
+        return str(node.node_id)
+
+    def remove_node(self, node_id: str) -> None:
+        """Kill a node's processes at once, as a machine dying would."""
+        for node in self.cluster.list_all_nodes():
+            if node.node_id == node_id:
+                self.cluster.remove_node(node, allow_graceful=False)
+                return
+        raise KeyError(node_id)
+
+    def node_ids(self) -> list[str]:
+        return [str(node.node_id) for node in self.cluster.list_all_nodes()]
+
+
+# Light nodes (no dashboard, monitors or big object store) that notice a dead node
+# within about a second (tokenmill.gateway.rayhost.LOCAL_SYSTEM_CONFIG).
+RAY_NODE_ARGS: dict[str, Any] = {
+    "include_dashboard": False,
+    "object_store_memory": 80 << 20,
+}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    """A real Ray cluster on this machine; servers reach it by ``ray_address``."""
+    # Inherited by the gateways the tests start: no usage reports, no token files.
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from ray.cluster_utils import Cluster
+
+    from tokenmill.gateway.rayhost import LOCAL_SYSTEM_CONFIG
+
+    head = {
+        **RAY_NODE_ARGS,
+        "num_cpus": 2,
+        "no_monitor": True,
+        "include_log_monitor": False,
+        "_system_config": LOCAL_SYSTEM_CONFIG,
+    }
+    cluster = Cluster(initialize_head=True, connect=False, head_node_args=head)
+    try:
+        yield RayCluster(cluster)
+    finally:
+        cluster.shutdown()  # type: ignore[no-untyped-call]

@@ -1,0 +1,174 @@
+"""Replicas on a Ray cluster (``placement = "ray"``), through the whole gateway.
+
+A real Ray cluster runs on this machine (``ray_cluster``); gateways join it by
+``ray_address``. Scripted replicas order every step by the driver's events: a
+replica's actor dying ends its streams with an error event and ``[DONE]``, a node
+dying moves the replica to a surviving node, and a client leaving stops generation.
+One test serves the real model from a Ray actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from tests.conftest import RayCluster, ServerProcess
+from tests.driver import EngineDriver, scripted_deployment
+from tests.sse import DONE, events, text, to_done
+from tests.waiting import HANG_S, wait_until
+
+PROMPT = "Tell a long story."  # 4 words: 4 prompt tokens for the scripted engine
+
+
+def body(max_tokens: int, stream: bool = True) -> dict[str, Any]:
+    return {"model": "scripted", "prompt": PROMPT, "max_tokens": max_tokens, "stream": stream}
+
+
+def named(rid: str) -> dict[str, str]:
+    return {"x-request-id": rid}
+
+
+def replica(c: httpx.Client, dep: str = "scripted") -> dict[str, Any]:
+    r = c.get(f"/v1/deployments/{dep}")
+    assert r.status_code == 200, r.text
+    return dict(r.json()["replicas"][0])
+
+
+def on_ray(driver: EngineDriver, cluster: RayCluster, extra: str = "") -> str:
+    """A scripted deployment on the cluster; ``extra`` lines go in its table."""
+    table = scripted_deployment(driver, placement="ray", max_num_seqs=2)
+    return f"ray_address = {cluster.address!r}\n{table}{extra}"
+
+
+def test_a_ray_replica_serves_streams_and_says_where_it_runs(
+    driver: EngineDriver, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    srv = start_server(config=on_ray(driver, ray_cluster))
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+        rep = replica(c)
+        assert rep["host"] == "ray" and rep["state"] == "ready" and rep["restarts"] == 0
+        assert rep["pid"] == driver.wait("hello")["pid"]  # the actor's own process
+        assert rep["node_id"] in ray_cluster.node_ids() and rep["node_address"]
+        with c.stream("POST", "/v1/completions", json=body(3), headers=named("s")) as r:
+            stream = events(r)
+            driver.emit("s", 3)
+            got = list(stream)
+        assert got[-1] == DONE
+        assert "".join(text(e) for e in got if isinstance(e, dict)) == " w1 w2 w3"
+        with ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(c.post, "/v1/completions", json=body(2, False), headers=named("w"))
+            driver.emit("w", 2)
+            r2 = whole.result(timeout=HANG_S)
+        assert r2.status_code == 200, r2.text
+        usage = r2.json()["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (4, 2)
+
+
+def test_a_client_leaving_stops_generation_on_ray(
+    driver: EngineDriver, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    srv = start_server(config=on_ray(driver, ray_cluster))
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+        with c.stream("POST", "/v1/completions", json=body(50), headers=named("gone")) as r:
+            stream = events(r)
+            driver.emit("gone", 2)
+            assert [text(next(stream)) for _ in range(2)] == [" w1", " w2"]
+        # The connection closed: the actor is told, and the slot comes back.
+        assert driver.wait("aborted", "gone")["tokens"] == 2
+        wait_until(lambda: replica(c)["in_flight"] == 0, "the slot to come back")
+
+
+def test_a_dead_actor_ends_its_streams_and_is_replaced(
+    driver: EngineDriver, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    srv = start_server(config=on_ray(driver, ray_cluster))
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c, ThreadPoolExecutor(1) as pool:
+        first = replica(c)
+        whole = pool.submit(c.post, "/v1/completions", json=body(50, False), headers=named("w"))
+        driver.wait("started", "w")
+        with c.stream("POST", "/v1/completions", json=body(50), headers=named("s")) as r:
+            stream = events(r)
+            driver.emit("s", 1)
+            assert text(next(stream)) == " w1"
+            driver.crash("s")  # the actor's process exits: both requests lose it
+            tail = list(stream)
+        assert tail[-1] == DONE
+        errors = [e for e in tail if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail
+        answer = whole.result(timeout=HANG_S)
+        assert answer.status_code == 502, answer.text
+        assert answer.json()["error"]["code"] == "engine_error"
+        # A new actor: it connects to the driver again, and serves.
+        second_pid = driver.wait("hello", count=2)["pid"]
+        back = wait_until(
+            lambda: (rep := replica(c))["state"] == "ready" and rep, "the replica to be back"
+        )
+        assert back["pid"] == second_pid != first["pid"] and back["restarts"] == 1
+        with c.stream("POST", "/v1/completions", json=body(1), headers=named("again")) as r:
+            stream = events(r)
+            driver.emit("again", 1)
+            assert [e for e in stream if e == DONE] == [DONE]
+
+
+def test_a_dead_node_moves_its_replica_to_a_surviving_node(
+    driver: EngineDriver, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    # Two nodes offer the pool; the replica lands on one, which then dies whole.
+    nodes = [ray_cluster.add_node(pool=1), ray_cluster.add_node(pool=1)]
+    try:
+        config = on_ray(driver, ray_cluster, "ray_num_cpus = 0.5\nray_resources = { pool = 1 }\n")
+        srv = start_server(config=config)
+        with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+            first = replica(c)
+            assert first["node_id"] in nodes
+            with c.stream("POST", "/v1/completions", json=body(50), headers=named("n")) as r:
+                stream = events(r)
+                driver.emit("n", 1)
+                assert text(next(stream)) == " w1"
+                ray_cluster.remove_node(first["node_id"])
+                tail = list(stream)
+            assert tail[-1] == DONE
+            errors = [e for e in tail if isinstance(e, dict) and "error" in e]
+            assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail
+            back = wait_until(
+                lambda: (rep := replica(c))["state"] == "ready" and rep, "the replica to move"
+            )
+            survivor = next(n for n in nodes if n != first["node_id"])
+            assert back["node_id"] == survivor and back["restarts"] >= 1
+    finally:
+        for node in nodes:
+            if node in ray_cluster.node_ids():
+                ray_cluster.remove_node(node)
+
+
+def test_the_real_model_streams_from_a_ray_actor(
+    ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    config = f"""
+ray_address = "{ray_cluster.address}"
+[[deployments]]
+id = "onray"
+placement = "ray"
+max_num_seqs = 2
+n_ctx = 512
+n_threads = 1
+"""
+    srv = start_server(config=config)
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+        assert replica(c, "onray")["host"] == "ray"
+        request: dict[str, Any] = {"model": "onray"}
+        request |= {"messages": [{"role": "user", "content": "Say hi"}]}
+        request |= {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
+        request |= {"stream_options": {"include_usage": True}}
+        with c.stream("POST", "/v1/chat/completions", json=request) as r:
+            assert r.status_code == 200
+            got = to_done(r)
+        usage = got[-1]["usage"]
+        assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] > 0
+        pieces = [e["choices"][0]["delta"].get("content", "") for e in got if e["choices"]]
+        assert "".join(pieces)
+        # The replica's count reaches the gateway with its next status frame.
+        wait_until(lambda: replica(c, "onray")["tokens_generated"] >= 8, "the count")
