@@ -23,8 +23,6 @@ import codecs
 import collections
 import contextlib
 import logging
-import math
-import random
 import threading
 import time
 from collections.abc import Sequence
@@ -53,6 +51,7 @@ from tokenmill.engines.base import (
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.logprobs import TokenAligner, finite
+from tokenmill.engines.sampling import build_sampler
 from tokenmill.engines.slots import Slot, apply_placement, plan_placement
 from tokenmill.engines.textstream import TextStream
 from tokenmill.engines.threads import ThreadTuner, available_cpus
@@ -67,10 +66,6 @@ log = logging.getLogger("tokenmill.engines.llamacpp")
 # 2k-token prompt is in after 4 steps, small enough that a step with 16 decoding
 # streams stays a few tens of ms.
 PREFILL_CHUNK = 512
-# Penalties look back this many generated tokens (llama.cpp's default).
-PENALTY_LAST_N = 64
-# OpenAI's range of logit_bias values; its lower end bans the token.
-MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(slots=True)
@@ -491,51 +486,8 @@ class LlamaCppEngine:
         seq.slot = plan.dest
         seq.n_past = keep
         seq.cached = keep
-        seq.sampler = self._make_sampler(seq.sampling)
+        seq.sampler = build_sampler(seq.sampling, self.vocab.n_tokens)
         self._running[seq.request_id] = seq
-
-    def _make_sampler(self, p: SamplingParams) -> Any:
-        sparams = ll.llama_sampler_chain_default_params()
-        sparams.no_perf = True
-        chain = ll.llama_sampler_chain_init(sparams)
-        add = ll.llama_sampler_chain_add
-        if p.logit_bias:
-            # First, as OpenAI applies it to the logits themselves. -100 is a ban: a
-            # finite bias can lose to a logit past 100.
-            biases = (ll.llama_logit_bias * len(p.logit_bias))(
-                *(
-                    ll.llama_logit_bias(token, -math.inf if bias <= -MAX_LOGIT_BIAS else bias)
-                    for token, bias in p.logit_bias
-                )
-            )
-            add(
-                chain,
-                ll.llama_sampler_init_logit_bias(self.vocab.n_tokens, len(biases), biases),
-            )
-        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
-            add(
-                chain,
-                ll.llama_sampler_init_penalties(
-                    self.vocab.n_tokens,
-                    PENALTY_LAST_N,
-                    p.repetition_penalty,
-                    p.frequency_penalty,
-                    p.presence_penalty,
-                ),
-            )
-        if p.temperature <= 0.0:
-            add(chain, ll.llama_sampler_init_greedy())
-            return chain
-        if p.top_k > 0:
-            add(chain, ll.llama_sampler_init_top_k(p.top_k))
-        if p.top_p < 1.0:
-            add(chain, ll.llama_sampler_init_top_p(p.top_p, 1))
-        if p.min_p > 0.0:
-            add(chain, ll.llama_sampler_init_min_p(p.min_p, 1))
-        add(chain, ll.llama_sampler_init_temp(p.temperature))
-        seed = p.seed if p.seed is not None else random.getrandbits(32)
-        add(chain, ll.llama_sampler_init_dist(seed & 0xFFFFFFFF))
-        return chain
 
     def _step(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
         batch = self._batch
