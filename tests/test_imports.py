@@ -1,0 +1,30 @@
+"""Importing tokenmill loads no inference or cluster library: they load when used."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("llama_cpp", "ray", "torch")
+
+PROBE = """
+import json, sys
+import tokenmill, tokenmill.cli, tokenmill.server.app, tokenmill.gateway.deployment
+import tokenmill.client
+from tokenmill.config import Settings
+from tokenmill.gateway.core import Gateway
+# A gateway with the default deployment, built but not started: still nothing heavy.
+Gateway(Settings().with_default_deployment())
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
+"""
+
+
+def test_import_tokenmill_loads_no_engine_or_cluster_library() -> None:
+    # A fresh interpreter: this test process has loaded them all by now.
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True
+    ).stdout
+    loaded = set(json.loads(out))
+    assert "tokenmill" in loaded
+    assert not loaded & set(HEAVY), loaded & set(HEAVY)
