@@ -159,23 +159,36 @@ class EngineDriver:
         for conn in held:
             self._go(conn)
 
-    def _send(self, rid: str, command: dict[str, Any]) -> None:
-        """Send to the engine that runs ``rid`` (waiting until it started)."""
-        self.started(rid)
+    def _engine(self, rid: str, nth: int = 1) -> socket.socket:
+        """The connection of the engine that runs the ``nth`` request named ``rid``."""
+        self.wait("started", rid, nth)
         with self._changed:
-            found = self._find("started", rid, 1)
+            found = self._find("started", rid, nth)
             assert found is not None
-            conn = self._origin[found]
-        conn.sendall(json.dumps(command).encode() + b"\n")
+            return self._origin[found]
 
-    def emit(self, rid: str, n: int = 1) -> None:
-        self._send(rid, {"op": "emit", "id": rid, "n": n})
+    def _send(self, rid: str, command: dict[str, Any], nth: int = 1) -> None:
+        """Send to the engine that runs ``rid`` (waiting until it started)."""
+        self._engine(rid, nth).sendall(json.dumps(command).encode() + b"\n")
 
-    def finish(self, rid: str, reason: str = "stop") -> None:
-        self._send(rid, {"op": "finish", "id": rid, "reason": reason})
+    def pid(self, rid: str, nth: int = 1) -> int:
+        """The pid of the engine's process that runs ``rid`` (from its ``hello``)."""
+        conn = self._engine(rid, nth)
+        with self._changed:
+            for event, origin in zip(self.events, self._origin, strict=True):
+                if origin is conn and event["event"] == "hello":
+                    return int(event["pid"])
+        raise AssertionError(f"no hello from the engine that runs {rid}")
 
-    def fail(self, rid: str, message: str = "scripted failure") -> None:
-        self._send(rid, {"op": "fail", "id": rid, "message": message})
+    def emit(self, rid: str, n: int = 1, nth: int = 1) -> None:
+        """``n`` tokens to ``rid`` (to the ``nth`` request of that name)."""
+        self._send(rid, {"op": "emit", "id": rid, "n": n}, nth)
+
+    def finish(self, rid: str, reason: str = "stop", nth: int = 1) -> None:
+        self._send(rid, {"op": "finish", "id": rid, "reason": reason}, nth)
+
+    def fail(self, rid: str, message: str = "scripted failure", nth: int = 1) -> None:
+        self._send(rid, {"op": "fail", "id": rid, "message": message}, nth)
 
     def crash(self, rid: str, code: int = 1) -> None:
         """Exit the replica process that runs ``rid``."""

@@ -49,11 +49,24 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"tokenmill: {e}", file=sys.stderr)
         return 2
+    if args.ray_serve:
+        try:
+            settings = settings.for_cells(args.cells)
+        except ConfigError as e:
+            print(f"tokenmill: {e}", file=sys.stderr)
+            return 2
+    elif args.cells is not None:
+        print("tokenmill: --cells needs --ray-serve", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.ray_serve:
+        from tokenmill.server import cells  # imports ray.serve: only here
+
+        return cells.run(settings)
     app = create_app(settings)
     print(f"tokenmill serving on http://{settings.host}:{settings.port}", flush=True)
     serve(app, settings, app.state.gateway)
@@ -83,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--ray-address",
         help='the Ray cluster of placement = "ray" deployments: "auto", "ray://head:10001", '
         'or "local" (default: a private local instance)',
+    )
+    serve.add_argument(
+        "--ray-serve",
+        action="store_true",
+        help="run gateway cells as a Ray Serve application behind Serve's HTTP proxy",
+    )
+    serve.add_argument(
+        "--cells",
+        type=int,
+        help="gateway cells with --ray-serve (default: [serve] cells, 1); "
+        "more than one needs a PostgreSQL ledger",
     )
     serve.set_defaults(func=_serve)
 

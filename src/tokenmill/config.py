@@ -294,6 +294,27 @@ def _foreign_key_message(key: str, section: type[DeploymentCommon]) -> str | Non
     return f"'{key}' is for {' and '.join(owners)} deployments, not {engine}"
 
 
+class ServeSettings(BaseModel):
+    """``[serve]``: gateway cells on Ray Serve (``tokenmill serve --ray-serve``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Gateway cells (Serve replicas), each a whole gateway with its deployments.
+    cells: int = Field(default=1, ge=1, le=64)
+    # Serve's HTTP proxy; default: the gateway's ``port``.
+    port: int | None = Field(default=None, ge=0, le=65535)
+    # Requests (streams included) one cell takes at once before Serve queues them in
+    # its proxy. Serve's own default (5) would cap a gateway at five streams.
+    max_ongoing_requests: int = Field(default=1024, ge=1)
+    # CPUs each cell's actor reserves on the cluster (its deployments' replica
+    # processes are its children and reserve nothing of their own).
+    num_cpus: float = Field(default=0, ge=0, allow_inf_nan=False)
+
+
+def is_postgres(url: str | None) -> bool:
+    return url is not None and url.startswith(("postgresql://", "postgres://"))
+
+
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -313,6 +334,7 @@ class Settings(BaseModel):
     # anything else is given to ray.init: "auto", "ray://head:10001", ...
     ray_address: str | None = Field(default=None, min_length=1)
     deployments: list[DeploymentConfig] = Field(default_factory=list)
+    serve: ServeSettings = Field(default_factory=ServeSettings)
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Settings:
@@ -328,6 +350,20 @@ class Settings(BaseModel):
             return self
         dep = LlamaCppDeployment(id=DEFAULT_DEPLOYMENT_ID)
         return self.model_copy(update={"deployments": [dep]})
+
+    def for_cells(self, cells: int | None = None) -> Settings:
+        """These settings for ``--ray-serve``, ``cells`` (the flag) over ``[serve]``'s;
+        raises :class:`ConfigError` when the cells could not share one ledger."""
+        serve = self.serve.model_copy(update={"cells": cells}) if cells else self.serve
+        if serve.cells < 1:
+            raise ConfigError(f"--cells must be at least 1, not {serve.cells}")
+        if serve.cells > 1 and not is_postgres(self.ledger):
+            raise ConfigError(
+                f"{serve.cells} gateway cells need one shared ledger: SQLite is one file "
+                "per host process, so each cell would keep its own books. Use PostgreSQL "
+                "(--ledger postgresql://..., TOKENMILL_LEDGER or ledger = ...) or --cells 1"
+            )
+        return self.model_copy(update={"serve": serve})
 
     def ray_target(self) -> str | None:
         """The address to give ray.init: None when no deployment is placed on Ray,
