@@ -44,6 +44,9 @@ log = logging.getLogger("tokenmill.gateway.ray")
 
 _init_lock = threading.Lock()
 _users = 0  # launchers using this process's Ray connection
+# Whether this module connected it (and so may disconnect it): inside a Ray worker (a
+# gateway cell on Ray Serve) the connection is the worker's own and must stay.
+_owned = False
 # A private local instance notices a dead node (a killed raylet) within about a second,
 # so its replicas' streams end well within 2 s; Ray's defaults take several seconds.
 LOCAL_SYSTEM_CONFIG = {
@@ -57,7 +60,7 @@ def acquire_ray(address: str | None) -> None:
     """Connect this process to Ray, once for all launchers: ``address``'s cluster, or a
     private local instance for ``"local"`` or nothing. Blocking (seconds): call it off
     the event loop (which also keeps Ray from taking over the main thread's signals)."""
-    global _users
+    global _users, _owned
     with _init_lock:
         _users += 1
         if ray.is_initialized():
@@ -76,15 +79,18 @@ def acquire_ray(address: str | None) -> None:
         except BaseException:
             _users -= 1
             raise
+        _owned = True
         log.info("connected to Ray at %s", ray.get_runtime_context().gcs_address)
 
 
 def release_ray() -> None:
-    """One launcher less; the last one disconnects (and stops a private instance)."""
-    global _users
+    """One launcher less; the last one disconnects what :func:`acquire_ray` connected
+    (and so stops a private instance)."""
+    global _users, _owned
     with _init_lock:
         _users = max(0, _users - 1)
-        if _users == 0 and ray.is_initialized():
+        if _users == 0 and _owned:
+            _owned = False
             ray.shutdown()
 
 
