@@ -4,7 +4,8 @@ A real Ray cluster runs on this machine (``ray_cluster``); gateways join it by
 ``ray_address``. Scripted replicas order every step by the driver's events: a
 replica's actor dying ends its streams with an error event and ``[DONE]``, a node
 dying moves the replica to a surviving node, and a client leaving stops generation.
-One test serves the real model from a Ray actor.
+One test serves the real model from a Ray actor on a second node, beside a
+process replica of the same model.
 """
 
 from __future__ import annotations
@@ -144,31 +145,80 @@ def test_a_dead_node_moves_its_replica_to_a_surviving_node(
                 ray_cluster.remove_node(node)
 
 
-def test_the_real_model_streams_from_a_ray_actor(
+def test_a_node_gone_for_good_queues_requests_then_503(
+    driver: EngineDriver, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    # Only one node offers `only_b`: once it is gone, no replica can ever come back.
+    node = ray_cluster.add_node(only_b=1)
+    try:
+        extra = "ray_num_cpus = 0.5\nray_resources = { only_b = 1 }\nqueue_timeout_s = 0.5\n"
+        srv = start_server(config=on_ray(driver, ray_cluster, extra))
+        with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+            assert replica(c)["node_id"] == node
+            with c.stream("POST", "/v1/completions", json=body(50), headers=named("b")) as r:
+                stream = events(r)
+                driver.emit("b", 1)
+                assert text(next(stream)) == " w1"
+                ray_cluster.remove_node(node)
+                tail = list(stream)
+            assert tail[-1] == DONE
+            errors = [e for e in tail if isinstance(e, dict) and "error" in e]
+            assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail
+            # The replacement actor is pending: no node offers what it needs.
+            wait_until(lambda: replica(c)["state"] == "restarting", "the replica to restart")
+            r2 = c.post("/v1/completions", json=body(2, False), headers=named("q"))
+            # Refused by the queue's timeout (it waited there), not at once: no replica
+            # came back, because none can.
+            assert r2.status_code == 503, r2.text
+            assert "no replica was ready to serve within 0.5s" in r2.json()["error"]["message"]
+            assert float(r2.headers["retry-after"]) > 0
+            status = c.get("/v1/deployments/scripted").json()
+            assert status["queued"] == 0 and replica(c)["state"] == "restarting"
+            assert driver.seen("started", "q") == 0
+        # Closing the gateway cancels the pending launch (the fixture's SIGTERM, at once).
+        srv.stop()
+        assert srv.proc.returncode == 0, srv.log()
+    finally:
+        if node in ray_cluster.node_ids():
+            ray_cluster.remove_node(node)
+
+
+def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
     ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
 ) -> None:
-    config = f"""
-ray_address = "{ray_cluster.address}"
-[[deployments]]
-id = "onray"
-placement = "ray"
-max_num_seqs = 2
-n_ctx = 512
-n_threads = 1
-"""
-    srv = start_server(config=config)
-    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
-        assert replica(c, "onray")["host"] == "ray"
-        request: dict[str, Any] = {"model": "onray"}
-        request |= {"messages": [{"role": "user", "content": "Say hi"}]}
-        request |= {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True}
-        request |= {"stream_options": {"include_usage": True}}
-        with c.stream("POST", "/v1/chat/completions", json=request) as r:
-            assert r.status_code == 200
-            got = to_done(r)
-        usage = got[-1]["usage"]
-        assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] > 0
-        pieces = [e["choices"][0]["delta"].get("content", "") for e in got if e["choices"]]
-        assert "".join(pieces)
-        # The replica's count reaches the gateway with its next status frame.
-        wait_until(lambda: replica(c, "onray")["tokens_generated"] >= 8, "the count")
+    # The same model twice in one gateway: one replica placed on node B by its
+    # resource, one a child process. Greedy decoding gives the same tokens on both.
+    node_b = ray_cluster.add_node(node_b=1)
+    try:
+        common = "max_num_seqs = 2\nn_ctx = 512\nn_threads = 1\n"
+        config = (
+            f"ray_address = {ray_cluster.address!r}\n"
+            f'[[deployments]]\nid = "onray"\nplacement = "ray"\n{common}'
+            "ray_num_cpus = 0.5\nray_resources = { node_b = 1 }\n"
+            f'[[deployments]]\nid = "local"\nplacement = "process"\n{common}'
+        )
+        srv = start_server(config=config)
+        with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+            on_b = replica(c, "onray")
+            assert on_b["host"] == "ray" and on_b["node_id"] == node_b and on_b["pid"]
+            assert replica(c, "local")["host"] == "process"
+            answers = {}
+            for dep in ("onray", "local"):
+                request: dict[str, Any] = {"model": dep, "max_tokens": 16, "stream": True}
+                request |= {"messages": [{"role": "user", "content": "Say hi"}]}
+                request |= {"temperature": 0, "ignore_eos": True}
+                request |= {"stream_options": {"include_usage": True}}
+                with c.stream("POST", "/v1/chat/completions", json=request) as r:
+                    assert r.status_code == 200
+                    got = to_done(r)
+                pieces = [e["choices"][0]["delta"].get("content", "") for e in got if e["choices"]]
+                answers[dep] = ("".join(pieces), got[-1]["usage"])
+            assert answers["onray"] == answers["local"]
+            said, usage = answers["onray"]
+            assert said and usage["completion_tokens"] == 16 and usage["prompt_tokens"] > 0
+            assert usage["total_tokens"] == usage["prompt_tokens"] + 16
+            # The replica's count reaches the gateway with its next status frame.
+            wait_until(lambda: replica(c, "onray")["tokens_generated"] >= 16, "the count")
+    finally:
+        if node_b in ray_cluster.node_ids():
+            ray_cluster.remove_node(node_b)

@@ -4,17 +4,23 @@ Two cells (each a whole gateway whose scripted deployment has one replica proces
 run behind Serve's HTTP proxy on the session's Ray cluster and share one PostgreSQL
 ledger. A direct gateway on the same ledger and driver is the reference: a stream
 through Serve carries the same bytes as the same request served direct. Every step
-is ordered by the driver's events. Serve is heavy (seconds to start, about a GB), so
+is ordered by the driver's events. Twenty keys stream through both cells at once,
+each trying more than its credit covers; a cell killed mid-stream is replaced, and its
+hold is settled by the ledger's sweeper (prompt only) once its heartbeat is stale, which
+takes that test about 30 s. Serve is heavy (seconds to start, about a GB), so
 one application serves the whole module.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -29,7 +35,7 @@ from tests.driver import EngineDriver, scripted_deployment
 from tests.ledger.conftest import PG_URL
 from tests.ledger.helpers import ADMIN_KEY, account, admin, new_account, new_key, receipt
 from tests.sse import DONE, events, text
-from tests.waiting import HANG_S
+from tests.waiting import HANG_S, wait_until
 from tokenmill.config import ConfigError, Price, load_settings
 from tokenmill.gateway.metering import cost
 
@@ -229,6 +235,137 @@ def test_errors_through_serve_are_the_gateways_own(
     assert tail[-1] == DONE
     errors = [e for e in tail if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail
+
+
+def test_twenty_keys_streaming_at_once_over_both_cells_never_overdraw(
+    gateways: tuple[ServerProcess, ServerProcess], drv: EngineDriver
+) -> None:
+    cells, _ = gateways
+    # Each key can pay for two holds at once (19 each: 4 prompt + 5 completion tokens
+    # at 1 and 3) and tries four streams, two at a time, of 3 to 5 tokens (13 to 19):
+    # four cost at least 52, more than its 50, so every key is refused at least once.
+    credit, tries, max_tokens = 50, 4, 5
+    with admin(cells.url) as adm:
+        accounts = [new_account(adm, f"many-{i}", credit) for i in range(20)]
+        secrets = [new_key(adm, acc)[1] for acc in accounts]
+
+    def attempt(key: int, n: int) -> tuple[int, str, int, bool]:
+        """One stream: (key, request id, tokens the client got, whether it ran)."""
+        rid = f"many-{key}-{n}"
+        headers = {"authorization": f"Bearer {secrets[key]}", "x-request-id": rid}
+        with (
+            httpx.Client(base_url=cells.url, timeout=HANG_S) as c,
+            c.stream("POST", "/v1/completions", json=body(max_tokens), headers=headers) as r,
+        ):
+            if r.status_code != 200:
+                r.read()
+                assert r.status_code == 402, r.text
+                assert r.json()["error"]["code"] == "insufficient_credit"
+                return key, rid, 0, False
+            stream = events(r)
+            drv.emit(rid, 3 + (key + n) % 3)
+            drv.finish(rid)
+            got = list(stream)
+        assert got[-1] == DONE
+        return key, rid, sum(1 for e in got if text(e)), True
+
+    # Two at a time per key, 16 streams at once in all: both cells' 8 slots.
+    jobs = [(key, n) for n in range(tries) for key in range(20)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda job: attempt(*job), jobs))
+    ran = [(key, rid, tokens) for key, rid, tokens, ok in results if ok]
+    refused = {key for key, _, _, ok in results if not ok}
+    assert refused == set(range(20)), "every key tried more than its credit allows"
+    with admin(cells.url) as adm:
+        receipts = {rid: receipt(adm, rid) for _, rid, _ in ran}
+        states = [account(adm, acc) for acc in accounts]
+    # Which cell served each is Serve's router's choice (under heavy load it can send
+    # them all to one cell): the ledger is exact either way.
+    for _, rid, tokens in ran:
+        assert receipts[rid]["completion_tokens"] == tokens
+        assert receipts[rid]["charged"] == cost(PRICE, 4, tokens)
+    for key, state in enumerate(states):
+        charged = sum(receipts[rid]["charged"] for k, rid, _ in ran if k == key)
+        assert state["held"] == 0 and state["balance"] >= 0, state
+        assert state["balance"] == credit - charged, state
+    total = sum(receipts[rid]["charged"] for _, rid, _ in ran)
+    assert total == sum(cost(PRICE, 4, tokens) for _, _, tokens in ran)
+    assert total == sum(credit - state["balance"] for state in states)
+
+
+def parent_pid(pid: int) -> int:
+    """A process's parent, from /proc (Linux)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def serving_cells(cells: ServerProcess, drv: EngineDriver, headers: dict[str, str]) -> set[int]:
+    """The replica pids of the cells that take requests now: requests are held open
+    (Serve routes each to the cell with fewer in flight) until two cells took one, or
+    four went to one cell; then all are finished."""
+    pids: dict[str, int] = {}
+    with ExitStack() as stack:
+        c = stack.enter_context(httpx.Client(base_url=cells.url, timeout=HANG_S))
+        streams = []
+        while len(set(pids.values())) < 2 and len(pids) < 4:
+            rid = f"probe-{uuid.uuid4().hex[:8]}"
+            r = stack.enter_context(
+                c.stream(
+                    "POST",
+                    "/v1/completions",
+                    json=body(1),
+                    headers={**headers, "x-request-id": rid},
+                )
+            )
+            assert r.status_code == 200
+            streams.append(events(r))
+            pids[rid] = drv.pid(rid)
+        for rid in pids:
+            drv.emit(rid, 1)
+        assert all(list(s)[-1] == DONE for s in streams)
+    return set(pids.values())
+
+
+def test_a_cell_killed_mid_stream_is_replaced_and_its_hold_swept(
+    gateways: tuple[ServerProcess, ServerProcess], drv: EngineDriver, key: dict[str, str]
+) -> None:
+    cells, _ = gateways
+    with admin(cells.url) as adm:
+        acc = new_account(adm, "killed", 1_000)
+        _, secret = new_key(adm, acc)
+    headers = {"authorization": f"Bearer {secret}", "x-request-id": "killed"}
+    hellos = drv.seen("hello")
+    with httpx.Client(base_url=cells.url, timeout=HANG_S) as c:
+        with c.stream("POST", "/v1/completions", json=body(50), headers=headers) as r:
+            stream = events(r)
+            drv.emit("killed", 2)
+            assert [text(next(stream)) for _ in range(2)] == [" w1", " w2"]
+            # The cell is the Ray actor whose child process runs the replica.
+            replica_pid = drv.pid("killed")
+            cell_pid = parent_pid(replica_pid)
+            assert b"ServeReplica" in Path(f"/proc/{cell_pid}/cmdline").read_bytes()
+            os.kill(cell_pid, signal.SIGKILL)
+            # The proxy loses the cell: it cuts the response short (no last chunk),
+            # with nothing more after the tokens the client had.
+            tail: list[Any] = []
+            with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+                tail.extend(stream)
+            assert tail == []
+    # Serve starts a new cell (its replica says hello), and two cells serve again.
+    drv.wait("hello", count=hellos + 1)
+    pids = wait_until(
+        lambda: p if len(p := serving_cells(cells, drv, key)) == 2 else None,
+        "two cells to serve again",
+    )
+    assert replica_pid not in pids
+    # Nobody settles the killed cell's hold until its heartbeat is STALE_S old; then
+    # the sweeper of a live gateway on the ledger charges the prompt only.
+    with admin(cells.url) as adm:
+        swept = receipt(adm, "killed")
+        state = account(adm, acc)
+    assert swept["finish_reason"] == "expired" and swept["completion_tokens"] == 0, swept
+    assert swept["charged"] == cost(PRICE, 4, 0)
+    assert state["held"] == 0 and state["balance"] == 1_000 - cost(PRICE, 4, 0)
 
 
 def test_several_cells_on_sqlite_are_refused(tmp_path: Path) -> None:
