@@ -93,6 +93,78 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     return {"process": _cpu_s(pid), "children": sum(_cpu_s(p) for p in _descendants(pid))}
 
 
+def cpu_split(pid: int, groups: dict[str, list[int]]) -> dict[str, float]:
+    """:func:`cpu_seconds` plus the CPU seconds of each named group of processes (each
+    group one or more processes of the tree below ``pid``: a replica, Ray's daemons)."""
+    out = cpu_seconds(pid)
+    for name, pids in groups.items():
+        out[name] = sum(_cpu_s(p) for p in pids)
+    return out
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return raw.decode(errors="replace").rstrip("\0").split("\0")
+
+
+# The daemons of a Ray node: a private local instance runs them as children of the
+# process that called ray.init.
+RAY_DAEMONS = ("raylet", "gcs_server")
+
+
+def ray_daemons(pid: int) -> list[int]:
+    """The Ray daemons (raylet, gcs_server) in the tree below ``pid``, by executable name
+    (a Ray worker's command line names the raylet too, in its arguments)."""
+    out = []
+    for p in _descendants(pid):
+        argv = _cmdline(p)
+        if argv and Path(argv[0]).name in RAY_DAEMONS:
+            out.append(p)
+    return out
+
+
+def processes_below(pid: int, needle: str) -> list[int]:
+    """Processes in the tree below ``pid`` whose command line holds ``needle`` (Ray
+    names an actor's process after its class: ``ray::ProxyActor``)."""
+    return [p for p in _descendants(pid) if needle in " ".join(_cmdline(p))]
+
+
+def parent_pid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid`` and every process below it, each with its command name (to tell a
+    survivor from a reused pid after the tree was stopped)."""
+    return {p: _comm(p) for p in [pid, *_descendants(pid)]}
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def survivors(tree: dict[int, str]) -> dict[int, str]:
+    """The processes of a :func:`process_tree` snapshot still running (zombies aside)."""
+    out = {}
+    for p, comm in tree.items():
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and _comm(p) == comm:
+            out[p] = comm
+    return out
+
+
 def client_cpu_seconds() -> float:
     """CPU seconds of this process's waited-for children (the ``tokenmill bench`` runs)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -12,14 +12,24 @@
    cache live in the replica child), the replica process less model file and KV cache,
    and llama-server's process beside them.
 4. With py-spy installed, one extra c=16 run is profiled on the gateway (not measured).
+5. Ray (``--no-ray`` skips it, ``--only-ray`` runs it alone): three tokenmill servers on
+   the same model, threads and slots, measured in turn and interleaved like 2. at
+   concurrency 1 and 16: a process replica (the baseline), a Ray replica (``placement =
+   "ray"``, a private local Ray instance) and one gateway cell behind Ray Serve's proxy
+   (``--ray-serve --cells 1``, process replica). CPU per output token is split between
+   the gateway, the replica, Ray's daemons (raylet, gcs_server), Serve's proxy and the
+   rest of each server's process tree.
 
-The results are also written to ``.bench-cache/last.json``.
+The results are also written to ``.bench-cache/last.json`` (``ray.json`` with
+``--only-ray``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -29,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +48,17 @@ from probes import (
     HEALTH_TARGET_MS,
     HealthProbe,
     client_cpu_seconds,
-    cpu_seconds,
+    cpu_split,
     health_summary,
     maps_file,
     memory_mb,
+    parent_pid,
+    process_tree,
+    processes_below,
     profile,
     py_spy,
+    ray_daemons,
+    survivors,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +110,9 @@ class Server:
         with open(log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         self.model = ""
+        # Processes of the tree whose CPU is reported apart (the replica, Ray's
+        # daemons): filled once the server is up (see ray_section).
+        self.cpu_groups: dict[str, list[int]] = {}
 
     @property
     def url(self) -> str:
@@ -126,14 +145,23 @@ class Server:
             r = httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=120.0)
             r.raise_for_status()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 20.0) -> dict[int, str]:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the processes of its tree
+        still running after it exited (killed then), by pid and command name."""
+        tree = process_tree(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        time.sleep(0.5)  # children exiting with it
+        left = survivors(tree)
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        return left
 
 
 def kv_child(gguf: Path, n_ctx: int) -> None:
@@ -410,30 +438,36 @@ def targets(
     return out
 
 
-def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any]:
+def server_summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians of one server's runs at one level."""
+    return {
+        "tok_s": median(reports, "output_tokens_per_s"),
+        "tok_s_runs": [r["output_tokens_per_s"] for r in reports],
+        "req_s": median(reports, "requests_per_s"),
+        "ttft_p50_ms": median(reports, "ttft_ms", "p50"),
+        "ttft_p95_ms": median(reports, "ttft_ms", "p95"),
+        "ttft_p99_ms": median(reports, "ttft_ms", "p99"),
+        "itl_p50_ms": median(reports, "itl_ms", "p50"),
+        "itl_p99_ms": median(reports, "itl_ms", "p99"),
+        "errors": sum(r["errors"] for r in reports),
+        "tokens_per_request": median(reports, "tokens_per_request", "mean"),
+        "cpu_ms_per_token": {
+            k: median(reports, "cpu_ms_per_token", k) for k in reports[0]["cpu_ms_per_token"]
+        },
+    }
+
+
+def summarize(
+    runs: dict[str, dict[int, list[dict[str, Any]]]],
+    name: str = "tokenmill",
+    base: str = "llama-server",
+) -> dict[str, Any]:
+    """Per level: the medians of ``name`` and of ``base``, and ``name`` against ``base``."""
     summary: dict[str, Any] = {}
     # After an interruption a level may have runs of one server only: it has no ratio.
-    for c in sorted(set(runs["tokenmill"]) & set(runs["llama-server"])):
-        row: dict[str, Any] = {}
-        for name in ("tokenmill", "llama-server"):
-            reports = runs[name][c]
-            row[name] = {
-                "tok_s": median(reports, "output_tokens_per_s"),
-                "tok_s_runs": [r["output_tokens_per_s"] for r in reports],
-                "req_s": median(reports, "requests_per_s"),
-                "ttft_p50_ms": median(reports, "ttft_ms", "p50"),
-                "ttft_p95_ms": median(reports, "ttft_ms", "p95"),
-                "ttft_p99_ms": median(reports, "ttft_ms", "p99"),
-                "itl_p50_ms": median(reports, "itl_ms", "p50"),
-                "itl_p99_ms": median(reports, "itl_ms", "p99"),
-                "errors": sum(r["errors"] for r in reports),
-                "tokens_per_request": median(reports, "tokens_per_request", "mean"),
-                "cpu_ms_per_token": {
-                    k: median(reports, "cpu_ms_per_token", k)
-                    for k in ("server", "children", "client")
-                },
-            }
-        tm, ls = row["tokenmill"], row["llama-server"]
+    for c in sorted(set(runs[name]) & set(runs[base])):
+        row: dict[str, Any] = {n: server_summary(runs[n][c]) for n in (name, base)}
+        tm, ls = row[name], row[base]
         row["tok_s_ratio"] = round(tm["tok_s"] / ls["tok_s"], 3) if ls["tok_s"] else 0.0
         row["ttft_p50_ratio"] = round(tm["ttft_p50_ms"] / ls["ttft_p50_ms"], 3)
         row["ttft_p50_diff_ms"] = round(tm["ttft_p50_ms"] - ls["ttft_p50_ms"], 2)
@@ -463,23 +497,57 @@ def cpu_per_token(
 ) -> dict[str, float]:
     """CPU milliseconds per output token of one run: the server process (tokenmill's
     gateway; all of llama-server), its children (tokenmill's replica) and the load
-    generator. With two cores, every one of them is taken from llama.cpp's threads."""
+    generator. With two cores, every one of them is taken from llama.cpp's threads.
+
+    Any other key of ``before`` / ``after`` is a group of processes of the server's tree
+    (:attr:`Server.cpu_groups`): each gets its figure, and ``other`` is the rest of the
+    tree (the server process and its descendants less every group)."""
     tokens = max(1, int(report["output_tokens"]))
-    return {
-        "server": round((after["process"] - before["process"]) * 1000 / tokens, 3),
-        "children": round((after["children"] - before["children"]) * 1000 / tokens, 3),
-        "client": round(client_s * 1000 / tokens, 3),
-    }
+
+    def ms(key: str) -> float:
+        return round((after[key] - before[key]) * 1000 / tokens, 3)
+
+    out = {"server": ms("process"), "children": ms("children")}
+    groups = [k for k in after if k not in ("process", "children")]
+    for k in groups:
+        out[k] = ms(k)
+    if groups:
+        out["other"] = round(out["server"] + out["children"] - sum(out[k] for k in groups), 3)
+    out["client"] = round(client_s * 1000 / tokens, 3)
+    return out
 
 
 def one_run(s: Server, c: int, max_tokens: int, busy: int = 0) -> dict[str, Any]:
     """One ``tokenmill bench`` run against ``s``, with the CPU it cost per token."""
-    before, client_before = cpu_seconds(s.proc.pid), client_cpu_seconds()
+    before, client_before = cpu_split(s.proc.pid, s.cpu_groups), client_cpu_seconds()
     report = run_bench(s, c, max_tokens, busy)
+    after = cpu_split(s.proc.pid, s.cpu_groups)
     report["cpu_ms_per_token"] = cpu_per_token(
-        before, cpu_seconds(s.proc.pid), client_cpu_seconds() - client_before, report
+        before, after, client_cpu_seconds() - client_before, report
     )
     return report
+
+
+def interleaved(
+    servers: list[Server], levels: list[int] | tuple[int, ...], reps: int
+) -> Iterator[tuple[int, int, Server]]:
+    """(rep, concurrency, server) in the order runs are made: every server at each
+    level in turn, never two at once, and who goes first alternating from one
+    repetition to the next, so that a slow phase of a shared machine hits all alike."""
+    for rep in range(reps):
+        order = servers if rep % 2 == 0 else servers[::-1]
+        for c in levels:
+            for s in order:
+                yield rep, c, s
+
+
+def log_run(label: str, rep: int, reps: int, c: int, name: str, report: dict[str, Any]) -> None:
+    log(
+        f"{label}rep {rep + 1}/{reps} c={c:<2} {name:<19} "
+        f"{report['output_tokens_per_s']:7.1f} tok/s  "
+        f"TTFT p50 {report['ttft_ms']['p50']:7.1f} ms  "
+        f"errors {report['errors']}"
+    )
 
 
 def measure_contended(
@@ -492,19 +560,10 @@ def measure_contended(
     The loops spin at ordinary priority for the length of each run (``tokenmill bench
     --busy``); each server meets the same number, in turn, alternating who goes first.
     """
-    tm, ls = servers[0], servers[1]
-    for rep in range(args.contended_reps):
-        order = [tm, ls] if rep % 2 == 0 else [ls, tm]
-        for c in CONTENDED_LEVELS:
-            for s in order:
-                report = one_run(s, c, args.max_tokens, args.busy)
-                runs[s.name].setdefault(c, []).append(report)
-                log(
-                    f"contended rep {rep + 1}/{args.contended_reps} c={c:<2} {s.name:<19} "
-                    f"{report['output_tokens_per_s']:7.1f} tok/s  "
-                    f"TTFT p50 {report['ttft_ms']['p50']:7.1f} ms  "
-                    f"errors {report['errors']}  ({args.busy} busy loops)"
-                )
+    for rep, c, s in interleaved(servers[:2], CONTENDED_LEVELS, args.contended_reps):
+        report = one_run(s, c, args.max_tokens, args.busy)
+        runs[s.name].setdefault(c, []).append(report)
+        log_run(f"contended ({args.busy} busy loops) ", rep, args.contended_reps, c, s.name, report)
 
 
 def measure(
@@ -523,88 +582,225 @@ def measure(
     tokenmill's c=SLOTS runs a probe times ``GET /health``.
     """
     tm, ls, *off = servers
-    for rep in range(args.reps):
-        # Alternate who goes first so a slow phase of the machine hits both alike.
-        base = [*off, tm, ls]
-        order = base if rep % 2 == 0 else base[::-1]
-        for c in levels:
-            for s in order:
-                if s.name == METRICS_OFF and c != SLOTS:
-                    continue
-                if s is tm and c == SLOTS:
-                    with HealthProbe(s.url) as probe:
-                        report = one_run(s, c, args.max_tokens)
-                    health.append(probe)
-                else:
-                    report = one_run(s, c, args.max_tokens)
+    for rep, c, s in interleaved([*off, tm, ls], levels, args.reps):
+        if s.name == METRICS_OFF and c != SLOTS:
+            continue
+        if s is tm and c == SLOTS:
+            with HealthProbe(s.url) as probe:
+                report = one_run(s, c, args.max_tokens)
+            health.append(probe)
+        else:
+            report = one_run(s, c, args.max_tokens)
+        runs[s.name].setdefault(c, []).append(report)
+        # Each figure's largest value seen after a run.
+        for key, value in memory_mb(s.proc.pid).items():
+            mem[s.name][key] = max(value, mem[s.name].get(key, 0.0))
+        log_run("", rep, args.reps, c, s.name, report)
+
+
+# -- Ray: the replica as a Ray actor, and the gateway behind Ray Serve -------------------
+
+RAY_LEVELS = (1, SLOTS)
+# The three servers of the Ray section, in the table's order: the first is the baseline.
+PROCESS, RAY, SERVE = "tm-process", "tm-ray", "tm-serve"
+# The issue's bar for a Ray replica against a process replica.
+RAY_TOK_S_RATIO_TARGET = 0.95
+RAY_TTFT_DIFF_TARGET_MS = 5.0
+# Ray's CPU accounting: the actor reserves next to nothing, so a 2-core machine's
+# private instance schedules it whatever else it holds.
+RAY_NUM_CPUS = 0.1
+
+
+def deployment_toml(path: Path, threads: int, placement: str) -> Path:
+    """A config with the embedded model as the other tokenmill runs serve it (16 slots of
+    N_CTX tokens, ``threads`` threads), at ``placement``."""
+    lines = [
+        "[[deployments]]",
+        'id = "smollm2"',
+        f"n_threads = {threads}",
+        f"max_num_seqs = {SLOTS}",
+        f"n_ctx = {N_CTX}",
+        f'placement = "{placement}"',
+    ]
+    if placement == "ray":
+        lines.append(f"ray_num_cpus = {RAY_NUM_CPUS}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def ray_servers(args: argparse.Namespace, tmp: Path) -> list[Server]:
+    """tokenmill with a process replica, with a Ray replica, and one gateway cell on Ray
+    Serve (process replica): the same model, threads and slots."""
+    # "local" through RAY_ADDRESS too: ray.init() with no address joins the cluster named
+    # in /tmp/ray/ray_current_cluster (anyone's `ray start` on this host) if there is one.
+    ray_env = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": "local"}
+    process_cfg = deployment_toml(tmp / "process.toml", args.threads, "process")
+    ray_cfg = deployment_toml(tmp / "ray.toml", args.threads, "ray")
+    servers = []
+    for name, cfg, extra in (
+        (PROCESS, process_cfg, []),
+        (RAY, ray_cfg, []),
+        (SERVE, process_cfg, ["--ray-serve", "--cells", "1"]),
+    ):
+        port = free_port()
+        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port)]
+        cmd += ["--config", str(cfg), "--data-dir", str(tmp / f"data-{name}"), *extra]
+        env = ray_env if name != PROCESS else {}
+        servers.append(Server(name, cmd, port, tmp / f"{name}.log", env))
+    return servers
+
+
+def locate(s: Server) -> dict[str, Any]:
+    """Fill ``s.cpu_groups``: its gateway, its replica (the pid ``GET /v1/deployments``
+    shows: a child process, or the Ray actor's process), Ray's daemons and Serve's proxy."""
+    info = httpx.get(f"{s.url}/v1/deployments/{s.model}", timeout=10.0).json()
+    replica = int(info["replicas"][0]["pid"])
+    # Behind Serve the gateway is the cell's actor: the process replica's parent.
+    gateway = parent_pid(replica) if s.name == SERVE else s.proc.pid
+    groups: dict[str, list[int]] = {"gateway": [gateway], "replica": [replica]}
+    if s.name != PROCESS:
+        groups["ray_daemons"] = ray_daemons(s.proc.pid)
+    if s.name == SERVE:
+        groups["proxy"] = processes_below(s.proc.pid, "ProxyActor")
+    s.cpu_groups = groups
+    return {k: v for k, v in groups.items()}
+
+
+def ray_targets(summary: dict[str, Any]) -> list[str]:
+    out = []
+    for c, row in summary.get("ray", {}).items():
+        r, d = row["tok_s_ratio"], row["ttft_p50_diff_ms"]
+        ok_r, ok_d = r >= RAY_TOK_S_RATIO_TARGET, d <= RAY_TTFT_DIFF_TARGET_MS
+        out.append(
+            f"{'PASS' if ok_r else 'MISS'} c={c} Ray replica tok/s ratio {r:.3f} "
+            f"(target >= {RAY_TOK_S_RATIO_TARGET:.2f})"
+        )
+        out.append(
+            f"{'PASS' if ok_d else 'MISS'} c={c} Ray replica TTFT p50 {d:+.1f} ms "
+            f"(target <= +{RAY_TTFT_DIFF_TARGET_MS:g} ms)"
+        )
+    return out
+
+
+def ray_table(results: dict[str, Any]) -> str:
+    ray = results["ray"]
+    rows = [
+        "",
+        f"Ray: tokenmill's replica as a child process (process), as a Ray actor on a private "
+        f"local Ray instance (ray), and one gateway cell behind Ray Serve's proxy (serve, "
+        f"process replica); {results['model_file']}, {results['threads']} threads, {SLOTS} "
+        f"slots x {N_CTX} tokens, max_tokens {results['max_tokens']}, {ray['reps']} runs each "
+        "(medians)",
+        "",
+        f"{'conc':>4} | {'tok/s process':>13} {'ray':>7} {'serve':>7} | {'ray/proc':>8} "
+        f"{'serve/proc':>10} | {'TTFT50 process':>14} {'ray':>7} {'serve':>7} | "
+        f"{'ray-proc':>8} {'serve-proc':>10} | {'errors':>8}",
+        "-" * 124,
+    ]
+    for c, r in ray["summary"]["ray"].items():
+        sv = ray["summary"]["serve"].get(c)
+        if sv is None:
+            continue
+        p, y, v = r[PROCESS], r[RAY], sv[SERVE]
+        rows.append(
+            f"{c:>4} | {p['tok_s']:>13.1f} {y['tok_s']:>7.1f} {v['tok_s']:>7.1f} | "
+            f"{r['tok_s_ratio']:>8.3f} {sv['tok_s_ratio']:>10.3f} | "
+            f"{p['ttft_p50_ms']:>14.1f} {y['ttft_p50_ms']:>7.1f} {v['ttft_p50_ms']:>7.1f} | "
+            f"{r['ttft_p50_diff_ms']:>+8.1f} {sv['ttft_p50_diff_ms']:>+10.1f} | "
+            f"{p['errors']}/{y['errors']}/{v['errors']:<4}"
+        )
+    rows.append("")
+    for c, r in ray["summary"]["ray"].items():
+        sv = ray["summary"]["serve"].get(c, {}).get(SERVE, {})
+        rows.append(
+            f"  c={c:<3} runs tok/s  process {r[PROCESS]['tok_s_runs']}  ray "
+            f"{r[RAY]['tok_s_runs']}  serve {sv.get('tok_s_runs')}"
+        )
+    rows.append(
+        "\nCPU ms per output token (medians): gateway (behind Serve: the cell's actor), "
+        "replica, Ray's daemons (raylet + gcs_server), Serve's proxy actor, the rest of the "
+        "server's process tree, and the load generator:"
+    )
+    for c, r in ray["summary"]["ray"].items():
+        sv = ray["summary"]["serve"].get(c, {})
+        for name, row in ((PROCESS, r[PROCESS]), (RAY, r[RAY]), (SERVE, sv.get(SERVE))):
+            if row is None:
+                continue
+            cpu = row["cpu_ms_per_token"]
+            extra = "".join(
+                f"  {label} {cpu[k]:.3f}"
+                for k, label in (("ray_daemons", "ray daemons"), ("proxy", "proxy"))
+                if k in cpu
+            )
+            rows.append(
+                f"  c={c:<3} {name:<10} gateway {cpu['gateway']:.3f}  replica "
+                f"{cpu['replica']:.2f}{extra}  rest {cpu['other']:.3f}  "
+                f"(whole tree {cpu['server'] + cpu['children']:.2f})  "
+                f"load generator {cpu['client']:.3f}"
+            )
+    rows.append("\nServe's proxy path against the direct gateway (one cell, SQLite ledger):")
+    for c, sv in ray["summary"]["serve"].items():
+        rows.append(
+            f"  c={c:<3} tok/s {100 * (sv['tok_s_ratio'] - 1):+.1f} %  TTFT p50 "
+            f"{sv['ttft_p50_diff_ms']:+.1f} ms"
+        )
+    rows.append("")
+    rows += [f"  {line}" for line in ray["targets"]]
+    left = ray.get("left_running") or {}
+    rows.append(
+        "  processes left running after stopping the servers (killed): "
+        + (", ".join(f"{n}: {v}" for n, v in left.items()) if left else "none")
+    )
+    return "\n".join(rows)
+
+
+def ray_section(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The Ray replica and Serve's proxy path, each against a process replica."""
+    out: dict[str, Any] = {"reps": args.reps, "levels": list(RAY_LEVELS)}
+    servers = ray_servers(args, tmp)
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {s.name: {} for s in servers}
+    try:
+        for s in servers:
+            s.wait_ready()
+            s.warm_up()
+            out.setdefault("pids", {})[s.name] = locate(s)
+            log(f"{s.name} ready on {s.url}: {s.cpu_groups}")
+        try:
+            for rep, c, s in interleaved(servers, RAY_LEVELS, args.reps):
+                report = one_run(s, c, args.max_tokens)
                 runs[s.name].setdefault(c, []).append(report)
-                # Each figure's largest value seen after a run.
-                for key, value in memory_mb(s.proc.pid).items():
-                    mem[s.name][key] = max(value, mem[s.name].get(key, 0.0))
-                log(
-                    f"rep {rep + 1}/{args.reps} c={c:<2} {s.name:<19} "
-                    f"{report['output_tokens_per_s']:7.1f} tok/s  "
-                    f"TTFT p50 {report['ttft_ms']['p50']:7.1f} ms  "
-                    f"errors {report['errors']}"
-                )
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--reps", type=int, default=3, help="runs per server and concurrency")
-    parser.add_argument("--concurrency", default=f"1,4,{SLOTS}", help="comma-separated levels")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--no-ceiling", action="store_true", help="skip the in-process ceiling")
-    parser.add_argument("--no-profile", action="store_true", help="skip the py-spy run")
-    parser.add_argument(
-        "--no-metrics-cost", action="store_true", help="skip the metrics-off tokenmill runs"
-    )
-    parser.add_argument(
-        "--busy",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="busy loops beside the server in the shared-host runs (0: skip them)",
-    )
-    parser.add_argument(
-        "--contended-reps", type=int, default=2, help="shared-host runs per server and level"
-    )
-    parser.add_argument("--ceiling-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--kv-child", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--kv-ctx", type=int, default=SLOTS * N_CTX, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.ceiling_child:
-        ceiling_main(args.max_tokens, args.threads)
-        return 0
-    if args.kv_child:
-        kv_child(args.kv_child, args.kv_ctx)
-        return 0
-
-    from tokenmill.engines.llamacpp import embedded_model_path
-
-    levels = [int(x) for x in args.concurrency.split(",")]
-    # SIGTERM (from `timeout`, say) ends the runs like Ctrl-C: what was measured is reported.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    CACHE.mkdir(exist_ok=True)
-    log("llama-server: building if not cached (several minutes the first time)")
-    binary = llama_server_binary()
-    gguf = embedded_model_path()
-    model_mb = gguf.stat().st_size / 2**20
-    results: dict[str, Any] = {
-        "model_file": gguf.name,
-        "model_mb": round(model_mb, 1),
-        "threads": args.threads,
-        "max_tokens": args.max_tokens,
-        "reps": args.reps,
-        "llama_server": str(binary),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                log_run("ray ", rep, args.reps, c, s.name, report)
+        except KeyboardInterrupt:
+            out["interrupted"] = True
+            log("interrupted: reporting the Ray runs completed so far")
+    finally:
+        left = {}
+        for s in servers:
+            # Serve drains its cell first: give it longer than a plain gateway.
+            survived = s.stop(timeout=60.0)
+            if survived:
+                left[s.name] = survived
+                log(f"{s.name}: still running after it exited, killed: {survived}")
+        out["left_running"] = left
+    out["runs"] = {name: {str(c): r for c, r in by_c.items()} for name, by_c in runs.items()}
+    out["summary"] = {
+        "ray": summarize(runs, RAY, PROCESS),
+        "serve": summarize(runs, SERVE, PROCESS),
     }
-    if not args.no_ceiling:
-        log("in-process ceiling: the engine alone at 1 and 16 sequences")
-        results["ceiling"] = ceiling(args.max_tokens, args.threads)
-        log(f"ceiling: {results['ceiling']}")
+    out["targets"] = ray_targets(out["summary"])
+    return out
 
-    tmp = Path(tempfile.mkdtemp(prefix="tokenmill-bench-"))
+
+def llama_server_section(
+    args: argparse.Namespace,
+    levels: list[int],
+    binary: Path,
+    gguf: Path,
+    results: dict[str, Any],
+    tmp: Path,
+) -> None:
+    """tokenmill against llama-server (and tokenmill without metrics): fills ``results``."""
+    model_mb = results["model_mb"]
     servers: list[Server] = []
     try:
         port = free_port()
@@ -687,9 +883,87 @@ def main() -> int:
     finally:
         for s in servers:
             s.stop()
-    (CACHE / "last.json").write_text(json.dumps(results, indent=2))
-    print(table(results), flush=True)
-    print(f"\nfull results: {CACHE / 'last.json'}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--reps", type=int, default=3, help="runs per server and concurrency")
+    parser.add_argument("--concurrency", default=f"1,4,{SLOTS}", help="comma-separated levels")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--no-ceiling", action="store_true", help="skip the in-process ceiling")
+    parser.add_argument("--no-profile", action="store_true", help="skip the py-spy run")
+    parser.add_argument(
+        "--no-metrics-cost", action="store_true", help="skip the metrics-off tokenmill runs"
+    )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="busy loops beside the server in the shared-host runs (0: skip them)",
+    )
+    parser.add_argument(
+        "--contended-reps", type=int, default=2, help="shared-host runs per server and level"
+    )
+    parser.add_argument(
+        "--no-ray", action="store_true", help="skip the Ray replica and Ray Serve runs"
+    )
+    parser.add_argument(
+        "--only-ray",
+        action="store_true",
+        help="only the Ray replica and Ray Serve runs (against a process replica)",
+    )
+    parser.add_argument("--ceiling-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kv-child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--kv-ctx", type=int, default=SLOTS * N_CTX, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.ceiling_child:
+        ceiling_main(args.max_tokens, args.threads)
+        return 0
+    if args.kv_child:
+        kv_child(args.kv_child, args.kv_ctx)
+        return 0
+
+    from tokenmill.engines.llamacpp import embedded_model_path
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    # SIGTERM (from `timeout`, say) ends the runs like Ctrl-C: what was measured is reported.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    CACHE.mkdir(exist_ok=True)
+    gguf = embedded_model_path()
+    model_mb = gguf.stat().st_size / 2**20
+    results: dict[str, Any] = {
+        "model_file": gguf.name,
+        "model_mb": round(model_mb, 1),
+        "threads": args.threads,
+        "max_tokens": args.max_tokens,
+        "reps": args.reps,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if not args.no_ceiling and not args.only_ray:
+        log("in-process ceiling: the engine alone at 1 and 16 sequences")
+        results["ceiling"] = ceiling(args.max_tokens, args.threads)
+        log(f"ceiling: {results['ceiling']}")
+
+    tmp = Path(tempfile.mkdtemp(prefix="tokenmill-bench-"))
+    if not args.only_ray:
+        log("llama-server: building if not cached (several minutes the first time)")
+        binary = llama_server_binary()
+        results["llama_server"] = str(binary)
+        llama_server_section(args, levels, binary, gguf, results, tmp)
+    if not args.no_ray and not results.get("interrupted"):
+        if importlib.util.find_spec("ray") is None:
+            log("ray not installed: no Ray runs (pip install 'tokenmill[ray]')")
+        else:
+            log("Ray: a process replica, a Ray replica and a Ray Serve cell, in turn")
+            results["ray"] = ray_section(args, tmp)
+    out_file = CACHE / ("ray.json" if args.only_ray else "last.json")
+    out_file.write_text(json.dumps(results, indent=2))
+    if not args.only_ray:
+        print(table(results), flush=True)
+    if "ray" in results:
+        print(ray_table(results), flush=True)
+    print(f"\nfull results: {out_file}", flush=True)
     return 0
 
 
