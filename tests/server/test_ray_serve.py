@@ -93,6 +93,9 @@ def gateways(
         + scripted_deployment(drv, max_num_seqs=8)
         + f"[deployments.price]\nprompt_per_mtok = {PRICE.prompt_per_mtok}\n"
         f"completion_per_mtok = {PRICE.completion_per_mtok}\n"
+        # Serve sends a cell at most this many requests at once: held requests beyond
+        # it must go to the other cell, whatever Serve's router prefers under load.
+        f"[serve]\nmax_ongoing_requests = {CELL_LIMIT}\n"
     )
     args = ["--ledger", pg_schema_url]
     tmp = tmp_path_factory.mktemp("cells")
@@ -112,6 +115,9 @@ def key(gateways: tuple[ServerProcess, ServerProcess]) -> dict[str, str]:
         acc = new_account(adm, "streams", 10**9)
         _, secret = new_key(adm, acc)
     return {"authorization": f"Bearer {secret}"}
+
+
+CELL_LIMIT = 4
 
 
 def raw_stream(
@@ -168,10 +174,10 @@ def test_requests_held_at_once_land_on_both_cells_and_credit_stays_exact(
     with ExitStack() as stack:
         c = stack.enter_context(httpx.Client(base_url=cells.url, timeout=HANG_S))
         streams = {}
-        # Each request stays open (its engine holds it) until the next is sent: Serve
-        # routes to the cell with fewer requests in flight, so both cells fill.
+        # Each request stays open (its engine holds it): once a cell holds CELL_LIMIT,
+        # Serve must route the next one to the other cell.
         while len(set(pids.values())) < 2:
-            assert len(pids) < 8, f"every held request went to one cell: {pids}"
+            assert len(pids) <= CELL_LIMIT, f"a cell took more than its limit: {pids}"
             rid = f"split-{len(pids)}"
             r = stack.enter_context(
                 c.stream(

@@ -42,9 +42,12 @@ from tokenmill.gateway.metering import (
 )
 
 log = logging.getLogger("tokenmill.requests")
-# A cancelled request's final chunk comes within a decode step; this only guards
-# against a wedged replica (whose probe kills it, which ends the stream too).
-CANCEL_WAIT_S = 10.0
+# A cancelled request's final chunk (its exact token count) comes within a decode
+# step, however slow the machine; a replica that dies or hangs ends the stream with
+# an error (its host's probe kills a wedged one). So this is only a last resort:
+# until then the bill waits for the replica's count, and nothing goes unbilled. (10 s
+# was seen to run out on a machine at load 20, billing one token short.)
+CANCEL_WAIT_S = 300.0
 T = TypeVar("T")
 
 

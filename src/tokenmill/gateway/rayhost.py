@@ -73,7 +73,9 @@ def acquire_ray(address: str | None) -> None:
         }
         try:
             if address in (None, "", "local"):
-                ray.init(_system_config=LOCAL_SYSTEM_CONFIG, **options)
+                # "local" explicitly: a bare init() would join a cluster that `ray start`
+                # left in /tmp/ray, which refuses a _system_config.
+                ray.init(address="local", _system_config=LOCAL_SYSTEM_CONFIG, **options)
             else:
                 ray.init(address=address, **options)
         except BaseException:
