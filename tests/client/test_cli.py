@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -55,6 +56,14 @@ def test_complete_errors_exit_non_zero_with_the_message(server: ServerProcess) -
     assert "Traceback" not in proc.stderr
 
 
+def _default_sigint() -> None:
+    # A terminal gives its foreground program Ctrl-C's default action. A test run that
+    # was started in the background without job control (nohup cmd &, some CI runners)
+    # ignores SIGINT, and an ignored disposition is inherited: the chat would never see
+    # Ctrl-C (seen: a 240 s hang in two such runs).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _spawn(*args: str) -> pexpect.spawn:
     child = pexpect.spawn(
         sys.executable,
@@ -63,6 +72,7 @@ def _spawn(*args: str) -> pexpect.spawn:
         encoding="utf-8",
         timeout=240,
         dimensions=(40, 200),
+        preexec_fn=_default_sigint,
     )
     child.expect_exact("Ctrl-D leaves.")
     child.expect_exact(PROMPT)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import signal
 import threading
 from collections.abc import Coroutine, Iterator, Mapping
 from types import TracebackType
@@ -40,6 +41,12 @@ class _LoopThread:
         self._thread.start()
 
     def _main(self) -> None:
+        # Ctrl-C must reach the caller's thread. The kernel hands a process-directed
+        # signal to any thread that does not block it, and Python only runs handlers in
+        # the main thread: delivered here, it would leave a caller blocked on a result
+        # that never comes (a stream the server keeps open) uninterrupted, for good.
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
