@@ -24,15 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import httpx
-import psycopg
 import pytest
 
 from tests.conftest import RayCluster, ServerProcess, launch
 from tests.driver import EngineDriver, scripted_deployment
-from tests.ledger.conftest import PG_URL
+from tests.ledger.conftest import pg_schema
 from tests.ledger.helpers import ADMIN_KEY, account, admin, new_account, new_key, receipt
 from tests.sse import DONE, events, text
 from tests.waiting import HANG_S, wait_until
@@ -56,13 +54,9 @@ def body(max_tokens: int, stream: bool = True) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def pg_schema_url() -> Iterator[str]:
-    """A PostgreSQL schema of this module's own (as tests/ledger's ``pg_url``)."""
-    schema = f"tm_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_URL, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    yield f"{PG_URL}?options={quote(f'-c search_path={schema}')}"
-    with psycopg.connect(PG_URL, autocommit=True) as conn:
-        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    """A PostgreSQL schema of this module's own."""
+    with pg_schema() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
