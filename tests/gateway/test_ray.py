@@ -5,16 +5,19 @@ A real Ray cluster runs on this machine (``ray_cluster``); gateways join it by
 replica's actor dying ends its streams with an error event and ``[DONE]``, a node
 dying moves the replica to a surviving node, and a client leaving stops generation.
 One test serves the real model from a Ray actor on a second node, beside a
-process replica of the same model.
+process replica of the same model. One drives a channel to an actor directly, in this
+process: frame order both ways, and its reader thread ending with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import RayCluster, ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
@@ -222,3 +225,45 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
     finally:
         if node_b in ray_cluster.node_ids():
             ray_cluster.remove_node(node_b)
+
+
+def test_a_ray_channel_keeps_frame_order_and_its_reader_thread_ends_with_it(
+    driver: EngineDriver, ray_cluster: RayCluster
+) -> None:
+    from tokenmill.config import ReplicatedDeployment, parse_section
+    from tokenmill.errors import EngineError
+    from tokenmill.gateway.rayhost import RayLauncher
+
+    keys = {"id": "scripted", "engine": "scripted", "control": str(driver.path)}
+    section = parse_section({**keys, "placement": "ray", "ray_num_cpus": 0.5})
+    assert isinstance(section, ReplicatedDeployment)
+
+    async def scenario() -> None:
+        launcher = RayLauncher(section, ray_cluster.address)
+        channel = await launcher.launch()
+        try:
+            first = await channel.receive()
+            assert first is not None and first["op"] == "ready", first
+            # 20 calls queued in one pass of the loop leave in one Ray call; each is
+            # answered (a text, or an error frame with its id), in the order sent.
+            for i in range(20):
+                channel.send({"op": "detokenize", "id": f"c{i}", "tokens": [i]})
+            answered: list[str] = []
+            while len(answered) < 20:
+                msg = await channel.receive()
+                assert msg is not None
+                if msg["op"] in ("answer", "error"):
+                    answered.append(msg["id"])
+            assert answered == [f"c{i}" for i in range(20)]
+            channel.kill()
+            assert await asyncio.wait_for(channel.wait(), HANG_S) == "killed by the gateway"
+            assert not channel._reader.is_alive()  # wait() returned after the thread ended
+            assert await channel.receive() is None
+            with pytest.raises(EngineError):
+                channel.send({"op": "ping"})
+        finally:
+            channel.kill()
+            await channel.wait()
+            await launcher.close()
+
+    asyncio.run(scenario())
