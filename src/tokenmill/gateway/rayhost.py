@@ -304,6 +304,9 @@ class RayChannel:
     async def wait(self) -> str:
         await self._gone.wait()
         await self._read.wait()
+        # Its last act was to schedule _read_ended: it is returning, with nothing left
+        # that could block, so this join lasts until it is next scheduled at most.
+        self._reader.join()
         return self._how
 
 
