@@ -8,6 +8,9 @@
    machine hits both alike. The medians go into the table with the ratios.
    A third server, tokenmill with ``TOKENMILL_METRICS=0``, runs the c=16 level too, right
    beside the metrics-on runs, to show what the Prometheus observer costs.
+   Log probabilities (``--no-logprobs-cost`` skips them, ``--only-logprobs`` runs them
+   alone): beside each of tokenmill's c=16 runs, on the same server, one more where every
+   request asks for ``logprobs`` with the top 5 alternatives: their cost in tok/s.
 3. Memory: the gateway process alone (the target applies to it: the model and the KV
    cache live in the replica child), the replica process less model file and KV cache,
    and llama-server's process beside them.
@@ -67,6 +70,11 @@ SLOTS = 16
 N_CTX = 2048
 SAMPLING = {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "min_p": 0.0}
 METRICS_OFF = "tokenmill-nometrics"
+# tokenmill's own c=SLOTS runs with logprobs asked (the same server): their label in
+# ``runs``, the alternatives asked (chat's top_logprobs) and the issue's bar (<= 5 %).
+LOGPROBS = "tokenmill-logprobs"
+LOGPROBS_TOP = 5
+LOGPROBS_RATIO_TARGET = 0.95
 # Concurrency levels of the shared-host runs (the issue's: one person, a full server).
 CONTENDED_LEVELS = (1, SLOTS)
 CEILING_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -217,12 +225,20 @@ def kv_cache(gguf: Path, n_ctx: int) -> dict[str, Any]:
 # -- load ------------------------------------------------------------------------------
 
 
-def run_bench(server: Server, concurrency: int, max_tokens: int, busy: int = 0) -> dict[str, Any]:
+def run_bench(
+    server: Server,
+    concurrency: int,
+    max_tokens: int,
+    busy: int = 0,
+    top_logprobs: int | None = None,
+) -> dict[str, Any]:
     # `python -m tokenmill.bench` is `tokenmill bench` without importing the other
     # subcommands, so a broken unrelated CLI module cannot stop the benchmark.
     cmd = [sys.executable, "-m", "tokenmill.bench", server.url, "--model", server.model]
     cmd += ["--concurrency", str(concurrency), "--requests", str(2 * concurrency + 4)]
     cmd += ["--max-tokens", str(max_tokens), "--busy", str(busy), "--json"]
+    if top_logprobs is not None:
+        cmd += ["--top-logprobs", str(top_logprobs)]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     lines = out.stdout.strip().splitlines()
     if not lines:
@@ -370,6 +386,8 @@ def table(results: dict[str, Any]) -> str:
             f"  runs tok/s  metrics on {cost['on_runs']}  off {cost['off_runs']}  "
             f"errors off {cost['errors_off']}"
         )
+    if results.get("logprobs_cost"):
+        rows += logprobs_lines(results["logprobs_cost"])
     mem = results["memory"]
     rows.append(
         f"memory (RSS, largest seen after a run; model file {results['model_mb']:.0f} MB, "
@@ -492,6 +510,79 @@ def metrics_cost(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, 
     }
 
 
+def logprobs_cost(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any] | None:
+    """Median c=SLOTS throughput of tokenmill's plain runs and of its runs with logprobs
+    (top ``LOGPROBS_TOP``) made right beside them on the same server; each run's CPU ms
+    per token (gateway, replica, load generator) to show where the cost goes."""
+    plain, lp = runs["tokenmill"].get(SLOTS), runs.get(LOGPROBS, {}).get(SLOTS)
+    if not plain or not lp:
+        return None
+    plain_tok_s = median(plain, "output_tokens_per_s")
+    lp_tok_s = median(lp, "output_tokens_per_s")
+
+    def cpu(reports: list[dict[str, Any]]) -> dict[str, float]:
+        return {
+            k: round(median(reports, "cpu_ms_per_token", k), 3)
+            for k in ("server", "children", "client")
+        }
+
+    return {
+        "top_logprobs": LOGPROBS_TOP,
+        "plain_tok_s": plain_tok_s,
+        "logprobs_tok_s": lp_tok_s,
+        "ratio": round(lp_tok_s / plain_tok_s, 3) if plain_tok_s else 0.0,
+        "plain_runs": [r["output_tokens_per_s"] for r in plain],
+        "logprobs_runs": [r["output_tokens_per_s"] for r in lp],
+        # Each logprobs run against the plain run next to it (the same moment of the host).
+        "pair_ratios": [
+            round(b["output_tokens_per_s"] / a["output_tokens_per_s"], 3)
+            for a, b in zip(plain, lp, strict=False)
+            if a["output_tokens_per_s"]
+        ],
+        "plain_ttft_p50_ms": median(plain, "ttft_ms", "p50"),
+        "logprobs_ttft_p50_ms": median(lp, "ttft_ms", "p50"),
+        "plain_cpu_ms_per_token": cpu(plain),
+        "logprobs_cpu_ms_per_token": cpu(lp),
+        # Tokens that came with their logprobs, of all tokens streamed: 1.0 when every one did.
+        "logprob_coverage": round(
+            sum(r.get("logprob_tokens", 0) for r in lp)
+            / max(1, sum(r["output_tokens"] for r in lp)),
+            3,
+        ),
+        "errors_logprobs": sum(r["errors"] for r in lp),
+    }
+
+
+def logprobs_lines(cost: dict[str, Any]) -> list[str]:
+    """The table's rows for :func:`logprobs_cost`."""
+    p, q = cost["plain_cpu_ms_per_token"], cost["logprobs_cpu_ms_per_token"]
+    return [
+        f"logprobs (top {cost['top_logprobs']}) cost at c={SLOTS}, same server: plain "
+        f"{cost['plain_tok_s']:.1f} tok/s, logprobs {cost['logprobs_tok_s']:.1f} tok/s, "
+        f"ratio logprobs/plain {cost['ratio']:.3f} "
+        f"({100 * (cost['ratio'] - 1):+.1f} %)",
+        f"  runs tok/s  plain {cost['plain_runs']}  logprobs {cost['logprobs_runs']}  "
+        f"pairs {cost['pair_ratios']}  errors {cost['errors_logprobs']}  tokens with "
+        f"logprobs {100 * cost['logprob_coverage']:.0f} %",
+        f"  TTFT p50 plain {cost['plain_ttft_p50_ms']:.1f} / logprobs "
+        f"{cost['logprobs_ttft_p50_ms']:.1f} ms; CPU ms per token plain / logprobs: gateway "
+        f"{p['server']:.3f} / {q['server']:.3f}, replica {p['children']:.2f} / "
+        f"{q['children']:.2f}, load generator {p['client']:.3f} / {q['client']:.3f}",
+    ]
+
+
+def logprobs_target(cost: dict[str, Any] | None) -> list[str]:
+    if not cost:
+        return []
+    r = cost["ratio"]
+    ok = r >= LOGPROBS_RATIO_TARGET and not cost["errors_logprobs"]
+    return [
+        f"{'PASS' if ok else 'MISS'} c={SLOTS} logprobs (top {cost['top_logprobs']}) tok/s "
+        f"{r:.3f} of plain ({100 * (r - 1):+.1f} %, target >= {LOGPROBS_RATIO_TARGET:.2f}: "
+        f"at most {100 * (1 - LOGPROBS_RATIO_TARGET):.0f} % slower)"
+    ]
+
+
 def cpu_per_token(
     before: dict[str, float], after: dict[str, float], client_s: float, report: dict[str, Any]
 ) -> dict[str, float]:
@@ -517,10 +608,12 @@ def cpu_per_token(
     return out
 
 
-def one_run(s: Server, c: int, max_tokens: int, busy: int = 0) -> dict[str, Any]:
+def one_run(
+    s: Server, c: int, max_tokens: int, busy: int = 0, top_logprobs: int | None = None
+) -> dict[str, Any]:
     """One ``tokenmill bench`` run against ``s``, with the CPU it cost per token."""
     before, client_before = cpu_split(s.proc.pid, s.cpu_groups), client_cpu_seconds()
-    report = run_bench(s, c, max_tokens, busy)
+    report = run_bench(s, c, max_tokens, busy, top_logprobs)
     after = cpu_split(s.proc.pid, s.cpu_groups)
     report["cpu_ms_per_token"] = cpu_per_token(
         before, after, client_cpu_seconds() - client_before, report
@@ -566,6 +659,16 @@ def measure_contended(
         log_run(f"contended ({args.busy} busy loops) ", rep, args.contended_reps, c, s.name, report)
 
 
+def logprobs_run(
+    s: Server, args: argparse.Namespace, runs: dict[str, dict[int, list[dict[str, Any]]]], rep: int
+) -> None:
+    """One c=SLOTS run against ``s`` where every request asks for logprobs (top
+    ``LOGPROBS_TOP``), filed under ``LOGPROBS``."""
+    report = one_run(s, SLOTS, args.max_tokens, top_logprobs=LOGPROBS_TOP)
+    runs.setdefault(LOGPROBS, {}).setdefault(SLOTS, []).append(report)
+    log_run("", rep, args.reps, SLOTS, LOGPROBS, report)
+
+
 def measure(
     servers: list[Server],
     levels: list[int],
@@ -579,16 +682,23 @@ def measure(
 
     A server named ``METRICS_OFF`` runs at c=SLOTS only, always next to the metrics-on
     tokenmill, so the on/off pair sees the same moment of the machine. During
-    tokenmill's c=SLOTS runs a probe times ``GET /health``.
+    tokenmill's c=SLOTS runs a probe times ``GET /health``. Unless
+    ``args.no_logprobs_cost``, each of those runs has a twin with logprobs on the same
+    server (``LOGPROBS`` in ``runs``) right before or after it, alternately.
     """
     tm, ls, *off = servers
     for rep, c, s in interleaved([*off, tm, ls], levels, args.reps):
         if s.name == METRICS_OFF and c != SLOTS:
             continue
         if s is tm and c == SLOTS:
+            twin = not args.no_logprobs_cost
+            if twin and rep % 2 == 1:
+                logprobs_run(s, args, runs, rep)
             with HealthProbe(s.url) as probe:
                 report = one_run(s, c, args.max_tokens)
             health.append(probe)
+            if twin and rep % 2 == 0:
+                logprobs_run(s, args, runs, rep)
         else:
             report = one_run(s, c, args.max_tokens)
         runs[s.name].setdefault(c, []).append(report)
@@ -596,6 +706,56 @@ def measure(
         for key, value in memory_mb(s.proc.pid).items():
             mem[s.name][key] = max(value, mem[s.name].get(key, 0.0))
         log_run("", rep, args.reps, c, s.name, report)
+
+
+def logprobs_section(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """``--only-logprobs``: one tokenmill server as in the main runs, at c=SLOTS, each
+    plain run next to one with logprobs (top ``LOGPROBS_TOP``), who goes first
+    alternating from one repetition to the next."""
+    out: dict[str, Any] = {"reps": args.reps, "top_logprobs": LOGPROBS_TOP}
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port)]
+    cmd += ["--data-dir", str(tmp / "data")]
+    s = Server("tokenmill", cmd, port, tmp / "tokenmill.log")
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {s.name: {}, LOGPROBS: {}}
+    try:
+        s.wait_ready()
+        s.warm_up()
+        log(f"{s.name} ready on {s.url} (model {s.model!r})")
+        try:
+            for rep in range(args.reps):
+                if rep % 2 == 1:
+                    logprobs_run(s, args, runs, rep)
+                report = one_run(s, SLOTS, args.max_tokens)
+                runs[s.name].setdefault(SLOTS, []).append(report)
+                log_run("", rep, args.reps, SLOTS, s.name, report)
+                if rep % 2 == 0:
+                    logprobs_run(s, args, runs, rep)
+        except KeyboardInterrupt:
+            out["interrupted"] = True
+            log("interrupted: reporting the runs completed so far")
+    finally:
+        s.stop()
+    out["runs"] = {name: {str(c): r for c, r in by_c.items()} for name, by_c in runs.items()}
+    out["cost"] = logprobs_cost(runs)
+    out["targets"] = logprobs_target(out["cost"])
+    return out
+
+
+def logprobs_table(results: dict[str, Any]) -> str:
+    lp = results["logprobs"]
+    rows = [
+        "",
+        f"tokenmill with and without logprobs: {results['model_file']}, "
+        f"{results['threads']} threads, max_tokens {results['max_tokens']}, "
+        f"{lp['reps']} runs each at c={SLOTS} (medians)",
+        "",
+    ]
+    if lp["cost"]:
+        rows += logprobs_lines(lp["cost"])
+    rows.append("")
+    rows += [f"  {line}" for line in lp["targets"]]
+    return "\n".join(rows)
 
 
 # -- Ray: the replica as a Ray actor, and the gateway behind Ray Serve -------------------
@@ -848,6 +1008,7 @@ def llama_server_section(
         }
         results["contended"] = summarize(contended)
         results["metrics_cost"] = metrics_cost(runs)
+        results["logprobs_cost"] = logprobs_cost(runs)
         kv = kv_cache(gguf, SLOTS * N_CTX)
         kv_mb = kv["kv_mb"]
         tm_mem, ls_mem = mem["tokenmill"], mem["llama-server"]
@@ -868,7 +1029,7 @@ def llama_server_section(
             results["health"] = health_summary(health)
         results["targets"] = targets(
             results["summary"], results["memory"], results.get("health"), results["contended"]
-        )
+        ) + logprobs_target(results["logprobs_cost"])
         if not args.no_profile and not results.get("interrupted"):
             tm_server = servers[0]
             if py_spy() is None:
@@ -913,6 +1074,17 @@ def main() -> int:
         action="store_true",
         help="only the Ray replica and Ray Serve runs (against a process replica)",
     )
+    parser.add_argument(
+        "--no-logprobs-cost",
+        action="store_true",
+        help=f"skip tokenmill's c={SLOTS} runs with logprobs (top {LOGPROBS_TOP})",
+    )
+    parser.add_argument(
+        "--only-logprobs",
+        action="store_true",
+        help=f"only tokenmill's c={SLOTS} runs with and without logprobs (top {LOGPROBS_TOP}), "
+        "interleaved on one server",
+    )
     parser.add_argument("--ceiling-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kv-child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--kv-ctx", type=int, default=SLOTS * N_CTX, help=argparse.SUPPRESS)
@@ -940,6 +1112,14 @@ def main() -> int:
         "reps": args.reps,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    if args.only_logprobs:
+        tmp = Path(tempfile.mkdtemp(prefix="tokenmill-bench-"))
+        results["logprobs"] = logprobs_section(args, tmp)
+        out_file = CACHE / "logprobs.json"
+        out_file.write_text(json.dumps(results, indent=2))
+        print(logprobs_table(results), flush=True)
+        print(f"\nfull results: {out_file}", flush=True)
+        return 0
     if not args.no_ceiling and not args.only_ray:
         log("in-process ceiling: the engine alone at 1 and 16 sequences")
         results["ceiling"] = ceiling(args.max_tokens, args.threads)

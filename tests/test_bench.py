@@ -86,3 +86,37 @@ def test_bench_human_report(server: ServerProcess) -> None:
     assert "output tokens/s" in out.stdout
     assert "TTFT ms" in out.stdout
     assert "errors 0" in out.stdout
+
+
+def test_bench_top_logprobs_asks_for_them_and_counts_them(server: ServerProcess) -> None:
+    out = run_bench(
+        server.url,
+        "--model",
+        "smollm2",
+        "-c",
+        "2",
+        "-n",
+        "2",
+        "--max-tokens",
+        "8",
+        "--top-logprobs",
+        "5",
+        "--json",
+        "--no-progress",
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["errors"] == 0, report["error_samples"]
+    assert report["top_logprobs"] == 5
+    # Every token streamed came with its log probability.
+    assert report["logprob_tokens"] == report["output_tokens"] > 0
+
+
+def test_bench_without_top_logprobs_counts_none(server: ServerProcess) -> None:
+    out = run_bench(
+        server.url, "--model", "smollm2", "-c", "1", "-n", "1", "--max-tokens", "4", "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["top_logprobs"] is None
+    assert report["logprob_tokens"] == 0

@@ -10,6 +10,10 @@ really arrived.
 The generator usually shares the CPU with the server it measures, so it stays light:
 an SSE line is only JSON-decoded when it can carry text or usage.
 
+``--top-logprobs K`` asks every request for its tokens' log probabilities with the
+``K`` likeliest alternatives (``logprobs: true, top_logprobs: K``), to measure what they
+cost; the report counts the tokens that came with one.
+
 ``--busy N`` runs N busy loops (processes at ordinary priority that only spin) for
 the duration of the run: how a server holds up on a host whose cores other work
 shares (a build, a log shipper, a neighbour's batch job).
@@ -56,6 +60,7 @@ class RequestResult:
     tokens: int = 0  # completion tokens: from usage when sent, else content chunks
     usage_reported: bool = False
     gaps_s: list[float] = field(default_factory=list)  # between content chunks
+    logprob_tokens: int = 0  # entries of the chunks' logprobs.content
     error: str = ""
 
 
@@ -88,7 +93,7 @@ def load_prompts(path: Path | None) -> list[str]:
 
 
 def request_body(args: argparse.Namespace, prompt: str, index: int) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "model": args.model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": args.max_tokens,
@@ -98,6 +103,11 @@ def request_body(args: argparse.Namespace, prompt: str, index: int) -> dict[str,
         "ignore_eos": True,
         **SAMPLING,
     }
+    top = getattr(args, "top_logprobs", None)
+    if top is not None:
+        body["logprobs"] = True
+        body["top_logprobs"] = top
+    return body
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -112,6 +122,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
     start = time.perf_counter()
     first = last = 0.0
     chunks = 0
+    logprob_tokens = 0
     gaps: list[float] = []
     usage_tokens: int | None = None
     done = False
@@ -145,6 +156,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
                             gaps.append(now - last)
                         last = now
                         chunks += 1
+                    logprobs = choice.get("logprobs")
+                    if logprobs:
+                        logprob_tokens += len(logprobs.get("content") or ())
                 usage = event.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
@@ -162,6 +176,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
         tokens=usage_tokens if usage_tokens is not None else chunks,
         usage_reported=usage_tokens is not None,
         gaps_s=gaps,
+        logprob_tokens=logprob_tokens,
     )
 
 
@@ -235,6 +250,7 @@ def summarize(
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "busy": args.busy,
+        "top_logprobs": getattr(args, "top_logprobs", None),
         "completed": len(ok),
         "errors": len(errors),
         "error_samples": errors[:ERROR_SAMPLES],
@@ -248,6 +264,7 @@ def summarize(
             "max": max(tokens, default=0),
         },
         "usage_reported": sum(r.usage_reported for r in ok),
+        "logprob_tokens": sum(r.logprob_tokens for r in ok),
         "ttft_ms": ms(ttft, 50, 95, 99),
         "itl_ms": ms(gaps, 50, 99),
         "latency_ms": ms([r.latency_s * 1000 for r in ok], 50, 99),
@@ -257,6 +274,8 @@ def summarize(
 def format_report(report: dict[str, Any]) -> str:
     ttft, itl, per = report["ttft_ms"], report["itl_ms"], report["tokens_per_request"]
     busy = f"  busy loops={report['busy']}" if report.get("busy") else ""
+    if report.get("top_logprobs") is not None:
+        busy += f"  top_logprobs={report['top_logprobs']}"
     lines = [
         f"{report['url']}  model={report['model']}  concurrency={report['concurrency']}  "
         f"requests={report['requests']}  max_tokens={report['max_tokens']}{busy}",
@@ -266,6 +285,11 @@ def format_report(report: dict[str, Any]) -> str:
         f"   ({report['output_tokens']} tokens, {per['mean']} per request,"
         f" min {per['min']} max {per['max']})",
         f"  requests/s       {report['requests_per_s']:.2f}",
+        *(
+            [f"  logprob tokens   {report['logprob_tokens']}"]
+            if report.get("top_logprobs") is not None
+            else []
+        ),
         f"  TTFT ms          p50 {ttft['p50']:.1f}   p95 {ttft['p95']:.1f}   p99 {ttft['p99']:.1f}",
         f"  inter-token ms   p50 {itl['p50']:.2f}   p99 {itl['p99']:.2f}",
     ]
@@ -279,6 +303,9 @@ def _bench(args: argparse.Namespace) -> int:
             "tokenmill bench: --concurrency, --requests and --max-tokens must be >= 1, --busy >= 0",
             file=sys.stderr,
         )
+        return 2
+    if args.top_logprobs is not None and not 0 <= args.top_logprobs <= 20:
+        print("tokenmill bench: --top-logprobs must be 0-20", file=sys.stderr)
         return 2
     try:
         prompts = load_prompts(args.prompts)
@@ -320,6 +347,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=0,
         metavar="N",
         help="run N busy loops beside the server during the run (a shared host)",
+    )
+    p.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="ask every request for logprobs with the K (0-20) likeliest alternatives",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
