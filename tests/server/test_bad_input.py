@@ -37,7 +37,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
         (CHAT, {"messages": HI, "temperature": "hot"}, "temperature"),
         (CHAT, {"messages": HI, "temperature": 7}, "temperature"),
         (CHAT, {"messages": HI, "top_p": 0}, "top_p"),
-        (CHAT, {"messages": HI, "n": 3}, "n"),
+        (CHAT, {"messages": HI, "n": 0}, "n"),
         (CHAT, {"messages": HI, "stop": 5}, "stop"),
         (CHAT, {"max_tokens": 5}, "messages"),
         (CHAT, {"messages": []}, "messages"),
@@ -51,7 +51,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
             "messages.0.content.0.text",
         ),
         (COMPLETIONS, {"max_tokens": 5}, "prompt"),
-        (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+        (COMPLETIONS, {"prompt": [[1, 2], []]}, "prompt"),
         (COMPLETIONS, {"prompt": "x", "seed": 1.5}, "seed"),
     ],
 )

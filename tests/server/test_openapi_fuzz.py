@@ -36,6 +36,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from tests.conftest import ServerProcess, launch
+from tokenmill.server.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
 
 ADMIN_KEY = "admin-key-for-the-fuzzer"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -47,6 +48,10 @@ POSITIVE_EXAMPLES = 20
 NEGATIVE_EXAMPLES = 10
 STATEFUL_EXAMPLES = 15
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/predict")
+# Embedding requests are held to a few short inputs, for the same reason.
+EMBEDDINGS_PATH = "/v1/embeddings"
+FUZZ_INPUTS = 2
+FUZZ_INPUT_LENGTH = 32
 DEPLOYMENT = "smollm2"
 
 # Schemathesis's generics, over whatever kind of schema was loaded.
@@ -130,6 +135,34 @@ def shape_generation(case: AnyCase) -> None:
         body["model"] = _mostly_served(model)
 
 
+def shape_embeddings(case: AnyCase) -> None:
+    """Keep an embedding request small: its inputs are its cost, as tokens are a
+    generation's. Only a valid ``input`` is cut (to ``FUZZ_INPUTS`` inputs of at most
+    ``FUZZ_INPUT_LENGTH`` characters or ids), so it stays valid; an invalid one is
+    left as it is."""
+    body = case.body
+    if not case.path.endswith(EMBEDDINGS_PATH) or not isinstance(body, dict):
+        return
+    value: Any = body.get("input")
+
+    def ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(type(t) is int and t >= 0 for t in v)
+
+    def text(v: Any) -> bool:
+        return isinstance(v, str) and bool(v)
+
+    if text(value) or ids(value):
+        body["input"] = value[:FUZZ_INPUT_LENGTH]
+    elif (
+        isinstance(value, list)
+        and 0 < len(value) <= MAX_EMBEDDING_INPUTS
+        and (all(text(v) for v in value) or all(ids(v) for v in value))
+    ):
+        body["input"] = [v[:FUZZ_INPUT_LENGTH] for v in value[:FUZZ_INPUTS]]
+    if isinstance(model := body.get("model"), str):
+        body["model"] = _mostly_served(model)
+
+
 def _mostly_served(name: str) -> str:
     # Nearly every generated name is unknown, a 404 (test_bad_input covers those):
     # three in four go to the served model instead, deterministically.
@@ -156,6 +189,7 @@ def run_operation(
     @given(case=strategy)
     def fuzz(case: AnyCase) -> None:
         shape_generation(case)
+        shape_embeddings(case)
         response = case.call_and_validate(headers=auth, checks=CHECKS, timeout=CALL_TIMEOUT_S)
         statuses[response.status_code] += 1
 
@@ -207,6 +241,7 @@ def test_linked_calls_conform_to_the_served_schema(
 
         def before_call(self, case: AnyCase) -> None:
             shape_generation(case)
+            shape_embeddings(case)
 
         def after_call(self, response: Response, case: AnyCase) -> None:
             super().after_call(response, case)

@@ -175,11 +175,9 @@ def test_a_prompt_of_token_ids_completes_as_its_text_does(
 
 @pytest.mark.parametrize(
     "prompt",
-    [[[1, 2], [3]], [[1, 2]], ["a", "b"], [1, 49152], [1, -1], [1, True], []],
+    [[[1, 2], []], [[1, 49152]], ["a", [1]], [1, 49152], [1, -1], [1, True], []],
 )
-def test_several_prompts_or_bad_token_ids_are_refused_naming_prompt(
-    http: httpx.Client, prompt: Any
-) -> None:
+def test_bad_token_ids_are_refused_naming_prompt(http: httpx.Client, prompt: Any) -> None:
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": 1}
     assert assert_error(http.post("/v1/completions", json=body), 400)["param"].startswith("prompt")
 

@@ -15,6 +15,11 @@ Contract every implementation keeps:
   step or two the engine ends the stream with a final ``abort`` chunk whose usage
   counts the tokens really produced (which the caller pays for) and frees the
   request's capacity. An unknown or finished request id is ignored.
+* A request with several choices (``n``, several ``prompts``) still has one stream
+  and one final chunk, whose usage covers every choice; chunks carry their choice's
+  ``index``, and a choice ending before the last says so with ``choice_finish``. An
+  engine that generates one choice only refuses more in ``prepare``
+  (``InvalidRequestError`` naming ``n``, or ``prompt`` for several prompts).
 * Errors are raised as :mod:`tokenmill.errors` exceptions: by ``prepare`` (or
   ``generate``) when they concern the request (context too long), as the stream's
   final item otherwise.
@@ -71,13 +76,25 @@ class ChatMessage:
     content: str
 
 
+# One prompt of several (``GenerationRequest.prompts``): its text or its token ids.
+PromptItem = str | tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One generation. Exactly one of ``prompt``, ``prompt_tokens`` and ``messages`` is set.
+    """One generation. Exactly one of ``prompt``, ``prompt_tokens``, ``messages`` and
+    ``prompts`` is set.
 
     ``messages`` are rendered by the engine with ``chat_template`` (a Jinja string)
     when given, else with the model's own template. ``prompt_tokens`` is a prompt
     already tokenized (by ``/tokenize``, or by the client with the same tokenizer).
+    ``prompts`` are several prompts (``/v1/completions`` takes a list), each text or
+    token ids.
+
+    Every prompt gets ``n`` choices, numbered prompt by prompt: choice ``p * n + i``
+    is prompt ``p``'s ``i``-th (OpenAI's ``index``). Each choice samples on its own
+    (with a ``seed``, choice ``i`` of a prompt uses ``seed + i``); a prompt is
+    prefilled and counted once however many choices share it.
     """
 
     request_id: str
@@ -86,11 +103,38 @@ class GenerationRequest:
     messages: tuple[ChatMessage, ...] | None = None
     chat_template: str | None = None
     prompt_tokens: tuple[int, ...] | None = None
+    prompts: tuple[PromptItem, ...] | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
-        given = (self.prompt, self.messages, self.prompt_tokens)
+        given = (self.prompt, self.messages, self.prompt_tokens, self.prompts)
         if sum(x is not None for x in given) != 1:
-            raise ValueError("exactly one of prompt, prompt_tokens and messages must be set")
+            raise ValueError(
+                "exactly one of prompt, prompt_tokens, messages and prompts must be set"
+            )
+        if self.n < 1 or (self.prompts is not None and not self.prompts):
+            raise ValueError("a generation has at least one prompt and one choice")
+
+    @property
+    def choices(self) -> int:
+        """How many sequences this request generates: ``n`` for each prompt."""
+        return self.n * (1 if self.prompts is None else len(self.prompts))
+
+
+def refuse_choices(request: GenerationRequest, who: str) -> None:
+    """For an engine that generates one choice a request: refuse ``n`` > 1 and
+    several prompts with a 400 naming the field (never answer one of several)."""
+    from tokenmill.errors import InvalidRequestError
+
+    if request.prompts is not None and len(request.prompts) > 1:
+        raise InvalidRequestError(
+            f"{who} takes one prompt per request; send the prompts one by one",
+            param="prompt",
+        )
+    if request.n > 1:
+        raise InvalidRequestError(
+            f"{who} generates one choice per request; send n=1 (or leave it out)", param="n"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +191,10 @@ class TokenLogprob:
 class Chunk:
     """A text delta. The last chunk of a stream has ``finish_reason`` and ``usage``.
 
-    With ``echo`` asked for, the first chunk is the prompt's text (and its tokens, with
-    ``logprobs``); ``tokens`` counts none of them. An engine that cannot echo refuses
-    the request before its first chunk (``InvalidRequestError`` naming ``echo``).
+    With ``echo`` asked for, the first chunk of each choice is its prompt's text (and
+    its tokens, with ``logprobs``); ``tokens`` counts none of them. An engine that
+    cannot echo refuses the request before its first chunk (``InvalidRequestError``
+    naming ``echo``).
 
     With ``logprobs`` asked for, ``logprobs`` holds the tokens whose text this chunk
     completes: a token leaves with its text, never before it (text held back for a
@@ -160,18 +205,28 @@ class Chunk:
     text: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
-    # Completion tokens produced so far, this chunk's included (0 if the engine can't
-    # tell). Lets the gateway bill a stream even if its final usage never arrives.
+    # Completion tokens produced so far, this chunk's included, all choices together
+    # (0 if the engine can't tell). Lets the gateway bill a stream even if its final
+    # usage never arrives.
     tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    # The choice this chunk belongs to (``GenerationRequest.choices`` > 1).
+    index: int = 0
+    # A choice that ends while others of the same request go on: its own finish
+    # reason. The request's final chunk (``finish_reason``) ends the last choice, and
+    # any choice still open then (a cancelled request ends them all at once).
+    choice_finish: FinishReason | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PromptInfo:
     """What admission and metering need to know before generation starts."""
 
-    prompt_tokens: int
+    prompt_tokens: int  # all prompts together, each counted once
     context_length: int
+    # The longest prompt, when there are several (else ``prompt_tokens``): what a
+    # choice's room in the context is measured against.
+    longest_prompt: int | None = None
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,8 @@ from tokenmill.engines.base import (
 )
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
+from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
+from tokenmill.engines.llama_embed import Embedder
 from tokenmill.engines.logprobs import TokenAligner, finite
 from tokenmill.engines.sampling import build_sampler
 from tokenmill.engines.slots import Slot, apply_placement, plan_placement
@@ -70,10 +72,20 @@ PREFILL_CHUNK = 512
 
 @dataclass(slots=True)
 class _Sequence:
+    """One choice of a request: a sequence decoding in a slot of its own."""
+
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
     stream: TextStream
+    group: _Group | None = None  # set at once by _enqueue
+    key: str = ""  # unique among running sequences (the request id for choice 0)
+    index: int = 0  # the choice (OpenAI's ``index``)
+    # Choices of one prompt share its prefill: the first (the leader) decodes the
+    # prompt; the others (followers) wait with a slot of their own, then sample from
+    # the leader's last prompt row and take a copy of its KV stream (see _step).
+    leader: _Sequence | None = None  # a follower's, until it starts
+    followers: list[_Sequence] = field(default_factory=list)
     slot: int = -1
     n_past: int = 0  # tokens of this request already in the slot's KV
     cached: int = 0  # prompt tokens reused from the prefix cache
@@ -88,6 +100,21 @@ class _Sequence:
     # With echo and logprobs: (log probability, alternatives) of prompt tokens 1..n-1,
     # read from logits of every prompt row (see ``_step``); None: not collected.
     prompt_logprobs: list[tuple[float, tuple[TopLogprob, ...]]] | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    """One request's choices: ``n`` sequences for each of its prompts."""
+
+    request_id: str
+    members: list[_Sequence]
+    prompt_tokens: int  # every prompt, each counted once
+    generated: int = 0  # completion tokens of all its choices
+    open: int = 0  # choices not finished yet
+
+    def usage(self) -> Usage:
+        cached = sum(m.cached for m in self.members)
+        return Usage(self.prompt_tokens, self.generated, cached)
 
 
 # A KV slot and the request decoding in it (see slots.py, which places requests).
@@ -123,15 +150,16 @@ class LlamaCppEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._cv = threading.Condition()
-        self._inbox: collections.deque[_Sequence] = collections.deque()
+        self._inbox: collections.deque[_Group] = collections.deque()
         self._aborts: set[str] = set()
-        self._running: dict[str, _Sequence] = {}
+        self._running: dict[str, _Sequence] = {}  # by key
+        self._groups: dict[str, _Group] = {}  # admitted requests, by request id
         self._slots: list[_Slot] = []
         self._stop = False
         self._start_lock = asyncio.Lock()
         # Streams of generate() requests, filled on the event loop by the default sink.
         self._streams: dict[str, ChunkStream] = {}
-        self._prepared: Prepared[list[int]] = Prepared()
+        self._prepared: Prepared[list[list[int]]] = Prepared()
         self.tokens_generated = 0
         self.steps = 0
         self.kv_copies = 0  # prefixes copied from another slot (see _assign)
@@ -141,6 +169,8 @@ class LlamaCppEngine:
         self._sink: StepSink = self._to_streams
         self._own_sink = False
         self._failed: BaseException | None = None
+        # Embedding requests (a second context, see llama_embed.py), made at load.
+        self._embedder: Embedder | None = None
 
     @classmethod
     def from_config(cls, config: LlamaCppDeployment) -> LlamaCppEngine:
@@ -211,6 +241,9 @@ class LlamaCppEngine:
         self._batch = ll.llama_batch_init(cparams.n_batch, 0, 1)
         self._batch_cap = cparams.n_batch
         self._slots = [_Slot(i) for i in range(self.max_num_seqs)]
+        self._embedder = Embedder(
+            model, self._vocab, window=self.n_ctx_seq, n_threads=self.n_threads, cv=self._cv
+        )
         log.info(
             "loaded %s: %d slots x %d tokens, %d threads",
             path.name,
@@ -220,6 +253,9 @@ class LlamaCppEngine:
         )
 
     def _unload(self) -> None:
+        if self._embedder is not None:
+            self._embedder.close()
+            self._embedder = None
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
             self._batch = None
@@ -241,11 +277,16 @@ class LlamaCppEngine:
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
         if self._vocab is None:
             await self.start()
-        tokens = self._prompt_tokens(request)
-        self._prepared.put(request.request_id, tokens)
-        return PromptInfo(prompt_tokens=len(tokens), context_length=self.n_ctx_seq)
+        prompts = self._prompts(request)
+        self._prepared.put(request.request_id, prompts)
+        return PromptInfo(
+            prompt_tokens=sum(map(len, prompts)),
+            context_length=self.n_ctx_seq,
+            longest_prompt=max(map(len, prompts)),
+        )
 
-    def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
+    def _prompts(self, request: GenerationRequest) -> list[list[int]]:
+        """The request's prompts as token ids, each checked against the context."""
         n_vocab = self.vocab.n_tokens
         for token, _ in request.sampling.logit_bias:
             if not 0 <= token < n_vocab:
@@ -254,23 +295,40 @@ class LlamaCppEngine:
                     f"{n_vocab - 1}",
                     param="logit_bias",
                 )
-        if request.prompt_tokens is not None:
-            self.vocab.check_ids(request.prompt_tokens, "prompt")
-            tokens = list(request.prompt_tokens)
-        else:
-            tokens = self.vocab.tokenize(self.vocab.render(request))
-        if not tokens:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        # max_tokens 0 means "as many as fit": the prompt must leave room for one.
-        n_prompt, n_max = len(tokens), request.sampling.max_tokens
-        if n_prompt + max(n_max, 1) > self.n_ctx_seq:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.n_ctx_seq} tokens. However, "
-                f"you requested {n_prompt + n_max} tokens ({n_prompt} in the prompt, "
-                f"{n_max} for the completion). Shorten the prompt or lower max_tokens.",
-                param="max_tokens",
+        if request.choices > self.max_num_seqs:
+            raise InvalidRequestError(
+                f"the request asks for {request.choices} choices (n times the prompts); a "
+                f"replica of this deployment generates at most {self.max_num_seqs} at once",
+                param="n",
             )
-        return tokens
+        if request.prompts is not None:
+            prompts = [self._prompt_item(item) for item in request.prompts]
+        elif request.prompt_tokens is not None:
+            prompts = [self._prompt_item(request.prompt_tokens)]
+        else:
+            prompts = [self.vocab.tokenize(self.vocab.render(request))]
+        several = len(prompts) > 1
+        for p, tokens in enumerate(prompts):
+            which = f"prompt {p}" if several else "the prompt"
+            if not tokens:
+                raise InvalidRequestError(f"{which} is empty", param="prompt")
+            # max_tokens 0 means "as many as fit": the prompt must leave room for one.
+            n_prompt, n_max = len(tokens), request.sampling.max_tokens
+            if n_prompt + max(n_max, 1) > self.n_ctx_seq:
+                raise ContextLengthError(
+                    f"This model's maximum context length is {self.n_ctx_seq} tokens. "
+                    f"However, you requested {n_prompt + n_max} tokens ({n_prompt} in "
+                    f"{which}, {n_max} for the completion). Shorten the prompt or lower "
+                    "max_tokens.",
+                    param="max_tokens",
+                )
+        return prompts
+
+    def _prompt_item(self, item: str | Sequence[int]) -> list[int]:
+        if isinstance(item, str):
+            return self.vocab.tokenize(item)
+        self.vocab.check_ids(item, "prompt")
+        return list(item)
 
     async def tokenize(self, request: TokenizeRequest) -> list[int]:
         if self._vocab is None:
@@ -284,6 +342,22 @@ class LlamaCppEngine:
 
     def context_length(self) -> int:
         return self.n_ctx_seq
+
+    # -- embeddings (the work runs on the decode thread: see llama_embed.py) -------------
+
+    def _embeddings(self) -> Embedder:
+        if self._embedder is None:
+            raise EngineError("the model is not loaded")
+        return self._embedder
+
+    async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
+        if self._vocab is None:
+            await self.start()
+        return self._embeddings().prepare(request)
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        self._check_started()
+        return await self._embeddings().embed(request, failed=lambda: self._failed)
 
     # -- requests ------------------------------------------------------------------
 
@@ -306,23 +380,44 @@ class LlamaCppEngine:
             raise EngineError("the engine is not started")
 
     def _enqueue(self, request: GenerationRequest) -> None:
-        tokens = self._prepared.take(request.request_id)
-        if tokens is None:
-            tokens = self._prompt_tokens(request)
-        echo = request.sampling.echo
-        seq = _Sequence(
-            request_id=request.request_id,
-            prompt=tokens,
-            sampling=request.sampling,
-            stream=TextStream(request.sampling.stop),
-            aligner=None if request.sampling.logprobs is None else TokenAligner(),
-            echo_pending=echo,
-            prompt_logprobs=[] if echo and request.sampling.logprobs is not None else None,
-        )
+        prompts = self._prepared.take(request.request_id)
+        if prompts is None:
+            prompts = self._prompts(request)
+        rid, base = request.request_id, request.sampling
+        echo, logprobs = base.echo, base.logprobs is not None
+        members: list[_Sequence] = []
+        group = _Group(rid, members, sum(map(len, prompts)))
+        for tokens in prompts:
+            leader: _Sequence | None = None
+            for i in range(request.n):
+                sampling = base
+                if i and base.seed is not None:  # each choice samples on its own
+                    sampling = replace(base, seed=base.seed + i)
+                index = len(members)
+                seq = _Sequence(
+                    request_id=rid,
+                    prompt=tokens,
+                    sampling=sampling,
+                    stream=TextStream(base.stop),
+                    group=group,
+                    key=rid if index == 0 else f"{rid}#{index}",
+                    index=index,
+                    leader=leader,
+                    aligner=TokenAligner() if logprobs else None,
+                    echo_pending=echo,
+                    # A follower takes its leader's (see _start_follower).
+                    prompt_logprobs=[] if echo and logprobs and leader is None else None,
+                )
+                if leader is None:
+                    leader = seq
+                else:
+                    leader.followers.append(seq)
+                members.append(seq)
+        group.open = len(members)
         with self._cv:
             if self._failed is not None:
                 raise EngineError(f"the engine failed: {self._failed}")
-            self._inbox.append(seq)
+            self._inbox.append(group)
             self._cv.notify()
 
     def cancel(self, request_id: str) -> None:
@@ -391,6 +486,8 @@ class LlamaCppEngine:
     def stalled_s(self) -> float:
         """How long the decode step in progress has been running (0 between steps)."""
         since = self._decoding_since
+        if since is None and self._embedder is not None:
+            since = self._embedder.decoding_since
         return 0.0 if since is None else time.monotonic() - since
 
     # -- decode thread ---------------------------------------------------------------
@@ -399,7 +496,12 @@ class LlamaCppEngine:
         try:
             while True:
                 with self._cv:
-                    while not self._stop and not self._inbox and not self._running:
+                    while (
+                        not self._stop
+                        and not self._inbox
+                        and not self._running
+                        and not (self._embedder and self._embedder.jobs)
+                    ):
                         self._aborts.clear()
                         self._cv.wait()
                     if self._stop:
@@ -414,46 +516,65 @@ class LlamaCppEngine:
                     waiting = len(admitted) - i - 1 + len(self._inbox)
                     self._assign(seq, pending=waiting, fills=fills)
                 for rid in aborts:
-                    running = self._running.get(rid)
-                    if running is not None:
-                        self._finish(running, "abort", events)
+                    group = self._groups.get(rid)
+                    if group is not None:
+                        for seq in group.members:
+                            self._finish(seq, "abort", events)
                     else:
                         self._drop_queued(rid, events)
                 if self._running:
                     self._step(events)
+                if self._embedder and self._embedder.jobs:
+                    self._embedder.step()  # one bounded batch of embedding inputs
                 if events:
                     self._post(events)
         except BaseException as e:  # a native failure: fail every request, loudly
             log.exception("decode loop failed")
             with self._cv:
                 self._failed = e
-                pending = list(self._running.values()) + list(self._inbox)
+                pending = self._pending_requests()
                 self._inbox.clear()
             self._post([(s, EngineError(f"the engine failed: {e}")) for s in pending])
         finally:
-            failed: list[tuple[_Sequence, Chunk | BaseException]] = []
-            for seq in list(self._running.values()) + list(self._inbox):
-                failed.append((seq, EngineError("the engine is shutting down")))
+            failed: list[tuple[_Sequence, Chunk | BaseException]] = [
+                (seq, EngineError("the engine is shutting down"))
+                for seq in self._pending_requests()
+            ]
             self._running.clear()
+            self._groups.clear()
             self._inbox.clear()
             if failed:
                 self._post(failed)
+            if self._embedder is not None:
+                self._embedder.fail_all(EngineError("the engine is shutting down"))
+
+    def _pending_requests(self) -> list[_Sequence]:
+        """A sequence of every request running or queued (one each: an error ends all
+        of a request's choices)."""
+        groups = list(self._groups.values()) + list(self._inbox)
+        return [g.members[0] for g in groups if g.open > 0]
 
     def _drop_queued(self, request_id: str, events: list[tuple[_Sequence, Any]]) -> None:
         with self._cv:
-            for seq in self._inbox:
-                if seq.request_id == request_id:
-                    self._inbox.remove(seq)
-                    seq.done = True
-                    events.append((seq, Chunk("", "abort", Usage(len(seq.prompt), 0))))
+            for group in self._inbox:
+                if group.request_id == request_id:
+                    self._inbox.remove(group)
+                    for seq in group.members:
+                        seq.done = True
+                    group.open = 0
+                    last = group.members[-1]
+                    events.append((last, Chunk("", "abort", group.usage(), index=last.index)))
                     return
 
     def _admit_locked(self) -> list[_Sequence]:
-        admitted = []
+        """Requests, first come first served, while all of a request's choices fit."""
+        admitted: list[_Sequence] = []
         free = sum(1 for s in self._slots if s.seq is None)
-        while self._inbox and free > 0:
-            admitted.append(self._inbox.popleft())
-            free -= 1
+        while self._inbox and free >= len(self._inbox[0].members):
+            group = self._inbox.popleft()
+            self._groups[group.request_id] = group
+            admitted.extend(group.members)
+            free -= len(group.members)
         return admitted
 
     def _assign(self, seq: _Sequence, pending: int = 0, fills: bool = False) -> None:
@@ -468,8 +589,9 @@ class LlamaCppEngine:
             pending=pending,
             fills=fills,
             # Its prompt's log probabilities need logits of every prompt row: a cached
-            # prefix would skip computing them.
-            reuse_prefix=seq.prompt_logprobs is None,
+            # prefix would skip computing them. A follower's prompt comes from its
+            # leader, whole.
+            reuse_prefix=seq.prompt_logprobs is None and seq.leader is None,
         )
         # Queued copies run in order at the next decode, so what ``dest`` holds is
         # parked before anything is copied into it.
@@ -487,20 +609,34 @@ class LlamaCppEngine:
         seq.n_past = keep
         seq.cached = keep
         seq.sampler = build_sampler(seq.sampling, self.vocab.n_tokens)
-        self._running[seq.request_id] = seq
+        self._running[seq.key] = seq
+
+    def _start_follower(self, seq: _Sequence, leader: _Sequence) -> None:
+        """``leader`` has decoded the prompt: ``seq`` takes a copy of its KV stream.
+
+        llama.cpp copies the cells' data at the next decode, before that decode writes
+        anything (the leader's next token included), so the copy is the prompt.
+        """
+        ll.llama_memory_seq_cp(self._mem, leader.slot, seq.slot, -1, -1)
+        self.kv_copies += 1
+        self._slots[seq.slot].tokens = list(self._slots[leader.slot].tokens)
+        seq.n_past = len(seq.prompt)
+        seq.leader = None
+        seq.prompt_logprobs = leader.prompt_logprobs
 
     def _step(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
         batch = self._batch
         # Every decoding sequence gets its next token; the prompt budget left goes to
         # prefilling sequences first come, first served (dict order is arrival order).
+        # (A follower waits for its leader's prompt: it neither decodes nor prefills.)
         decoding = sum(1 for s in self._running.values() if s.n_past >= len(s.prompt))
         budget = min(PREFILL_CHUNK, self._batch_cap - decoding)
         grant: dict[str, int] = {}
         for seq in self._running.values():
             if budget <= 0:
                 break
-            if seq.n_past < len(seq.prompt):
-                grant[seq.request_id] = take = min(len(seq.prompt) - seq.n_past, budget)
+            if seq.n_past < len(seq.prompt) and seq.leader is None:
+                grant[seq.key] = take = min(len(seq.prompt) - seq.n_past, budget)
                 budget -= take
         # The batch itself is laid out in slot order. With one KV stream per slot,
         # llama.cpp splits a batch into one ubatch (one pass over the weights) per
@@ -516,7 +652,7 @@ class LlamaCppEngine:
                 outputs.append((seq, n))
                 n += 1
                 continue
-            take = grant.get(seq.request_id, 0)
+            take = grant.get(seq.key, 0)
             if take == 0:
                 continue
             start, end = seq.n_past, seq.n_past + take
@@ -549,7 +685,6 @@ class LlamaCppEngine:
         if tuner is not None:
             tuner.observe(threads, n, time.monotonic() - started)
         self.steps += 1
-        vocab = self.vocab
         for seq, idx in prompt_rows:
             assert seq.prompt_logprobs is not None
             row = self._log_softmax(idx)
@@ -557,38 +692,59 @@ class LlamaCppEngine:
             top = self._top(row, seq.sampling.logprobs or 0)
             seq.prompt_logprobs.append((finite(float(row[token])), top))
         for seq, idx in outputs:
-            if seq.echo_pending:
-                seq.echo_pending = False
-                events.append((seq, self._echo(seq)))
             # Read before sampling: the model's own distribution, untouched by it.
             logprobs = None if seq.aligner is None else self._log_softmax(idx)
-            token = ll.llama_sampler_sample(seq.sampler, self._ctx, idx)
-            if seq.n_past > len(seq.prompt) or seq.generated > 0:
-                # the previous sampled token is now in the KV cache
-                self._slots[seq.slot].tokens.append(seq.last_token)
-            if not seq.sampling.ignore_eos and vocab.is_eog(token):
-                self._finish(seq, "stop", events)
-                continue
-            seq.generated += 1
-            self.tokens_generated += 1
-            seq.last_token = token
-            seq.n_past = len(seq.prompt) + seq.generated - 1
-            piece = vocab.piece(token)
-            text = seq.stream.feed(piece)
-            if seq.aligner is not None and logprobs is not None:
-                top = self._top(logprobs, seq.sampling.logprobs or 0)
-                stream = seq.stream
-                seq.aligner.add(piece, float(logprobs[token]), top, stream.decoded, stream.partial)
-            if seq.stream.stopped:
-                self._finish(seq, "stop", events, text)
-            elif seq.generated >= seq.sampling.max_tokens or (
-                len(seq.prompt) + seq.generated >= self.n_ctx_seq
-            ):
-                self._finish(seq, "length", events, text + seq.stream.finish())
-            else:
-                released = () if seq.aligner is None else seq.aligner.release(len(text))
-                if text or released:
-                    events.append((seq, Chunk(text, tokens=seq.generated, logprobs=released)))
+            if seq.followers:  # the prompt is in: the other choices start from here
+                for follower in seq.followers:
+                    if not follower.done:
+                        self._start_follower(follower, seq)
+                        self._sample(follower, idx, logprobs, events)
+                seq.followers = []
+            self._sample(seq, idx, logprobs, events)
+
+    def _sample(
+        self,
+        seq: _Sequence,
+        idx: int,
+        logprobs: Any,
+        events: list[tuple[_Sequence, Chunk | BaseException]],
+    ) -> None:
+        """Sample ``seq``'s next token from batch output ``idx`` and pass its text on."""
+        vocab = self.vocab
+        group = seq.group
+        assert group is not None
+        if seq.echo_pending:
+            seq.echo_pending = False
+            events.append((seq, self._echo(seq)))
+        token = ll.llama_sampler_sample(seq.sampler, self._ctx, idx)
+        if seq.n_past > len(seq.prompt) or seq.generated > 0:
+            # the previous sampled token is now in the KV cache
+            self._slots[seq.slot].tokens.append(seq.last_token)
+        if not seq.sampling.ignore_eos and vocab.is_eog(token):
+            self._finish(seq, "stop", events)
+            return
+        seq.generated += 1
+        group.generated += 1
+        self.tokens_generated += 1
+        seq.last_token = token
+        seq.n_past = len(seq.prompt) + seq.generated - 1
+        piece = vocab.piece(token)
+        text = seq.stream.feed(piece)
+        if seq.aligner is not None and logprobs is not None:
+            top = self._top(logprobs, seq.sampling.logprobs or 0)
+            stream = seq.stream
+            seq.aligner.add(piece, float(logprobs[token]), top, stream.decoded, stream.partial)
+        if seq.stream.stopped:
+            self._finish(seq, "stop", events, text)
+        elif seq.generated >= seq.sampling.max_tokens or (
+            len(seq.prompt) + seq.generated >= self.n_ctx_seq
+        ):
+            self._finish(seq, "length", events, text + seq.stream.finish())
+        else:
+            released = () if seq.aligner is None else seq.aligner.release(len(text))
+            if text or released:
+                chunk = Chunk(text, tokens=group.generated, logprobs=released, index=seq.index)
+                events.append((seq, chunk))
 
     def _echo(self, seq: _Sequence) -> Chunk:
         """The prompt as a chunk: its text, and its tokens' log probabilities if asked."""
@@ -606,7 +762,7 @@ class LlamaCppEngine:
             parts.append(text)
             chars += len(text)
         parts.append(decoder.decode(b"", final=True))
-        return Chunk("".join(parts), logprobs=tuple(tokens))
+        return Chunk("".join(parts), logprobs=tuple(tokens), index=seq.index)
 
     def _log_softmax(self, idx: int) -> Any:
         """Log probabilities of the next token at batch output ``idx``, from the raw logits."""
@@ -636,7 +792,7 @@ class LlamaCppEngine:
         seq.done = True
         if reason == "stop" and not seq.stream.stopped:
             text += seq.stream.finish()
-        self._running.pop(seq.request_id, None)
+        self._running.pop(seq.key, None)
         slot = self._slots[seq.slot]
         slot.seq = None
         slot.last_used = time.monotonic()
@@ -647,10 +803,23 @@ class LlamaCppEngine:
         if seq.sampler is not None:
             ll.llama_sampler_free(seq.sampler)
             seq.sampler = None
-        usage = Usage(len(seq.prompt), seq.generated, seq.cached)
         # Tokens still waiting now are those a stop string swallowed (or an abort cut).
         released = () if seq.aligner is None else seq.aligner.release(len(text))
-        events.append((seq, Chunk(text, reason, usage, seq.generated, released)))
+        group = seq.group
+        assert group is not None
+        group.open -= 1
+        if group.open > 0:  # other choices go on: this one's end is not the request's
+            chunk = Chunk(
+                text,
+                tokens=group.generated,
+                logprobs=released,
+                index=seq.index,
+                choice_finish=reason,
+            )
+        else:
+            self._groups.pop(group.request_id, None)
+            chunk = Chunk(text, reason, group.usage(), group.generated, released, seq.index)
+        events.append((seq, chunk))
 
     def _post(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
         self._sink([(seq.request_id, item) for seq, item in events])

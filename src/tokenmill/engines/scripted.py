@@ -65,6 +65,7 @@ from tokenmill.engines.base import (
     GenerationRequest,
     PromptInfo,
     Usage,
+    refuse_choices,
 )
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
@@ -172,6 +173,7 @@ class ScriptedEngine:
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
         await self.start()
+        refuse_choices(request, "the scripted engine")
         if request.sampling.echo:
             raise InvalidRequestError("the scripted engine does not echo", param="echo")
         n_prompt = count_words(prompt_text(request))

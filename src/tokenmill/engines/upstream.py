@@ -48,6 +48,7 @@ from tokenmill.engines.base import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    refuse_choices,
 )
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.errors import (
@@ -167,6 +168,8 @@ class UpstreamEngine:
             tokenizer.close()
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
+        # Upstream choices would need their own index bookkeeping; not built (yet).
+        refuse_choices(request, f"deployment {self.config.id!r} (a proxied server)")
         if request.sampling.echo:
             # Upstreams answer echo each their own way (or not at all).
             raise InvalidRequestError(

@@ -1,10 +1,15 @@
 """Admission: a bounded FIFO queue in front of a deployment's slots.
 
-A request either gets a slot now, waits in a queue of at most ``max_queue`` for at
+A request either gets its slots now, waits in a queue of at most ``max_queue`` for at
 most ``queue_timeout_s``, or is refused with :class:`OverloadedError` (429 with
 ``Retry-After``). Nothing waits unboundedly and an admitted request is never dropped.
-Releasing a permit hands it straight to the oldest waiter, so capacity returns to
-the pool the instant a stream ends.
+Released slots go straight to the oldest waiter, so capacity returns to the pool the
+instant a stream ends.
+
+A request takes one slot per choice it generates (``n``, several prompts): its
+``weight``. Waiters are served strictly in order: a heavy request at the head waits
+until its slots are free, and lighter ones behind it do not overtake it (they would
+starve it).
 
 Capacity follows the replicas that can serve (:meth:`Admission.resize`): while a
 replica restarts its slots leave the pool, and with none left requests wait in the
@@ -16,10 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
+from dataclasses import dataclass
 
 from tokenmill.errors import OverloadedError, UnavailableError
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    future: asyncio.Future[None]
+    weight: int
 
 
 class Admission:
@@ -27,8 +38,8 @@ class Admission:
         self.capacity = capacity
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
-        self.active = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.active = 0  # slots held by admitted requests
+        self._waiters: collections.deque[_Waiter] = collections.deque()
         # Smoothed seconds a permit is held, to tell refused callers when to come back.
         self._hold_s = 1.0
 
@@ -40,10 +51,10 @@ class Admission:
         per_slot = self._hold_s / max(1, self.capacity)
         return max(1.0, per_slot * (len(self._waiters) + 1))
 
-    async def acquire(self) -> float:
-        """Take a permit; return the seconds spent queued."""
-        if self.active < self.capacity and not self._waiters:
-            self.active += 1
+    async def acquire(self, weight: int = 1) -> float:
+        """Take ``weight`` slots; return the seconds spent queued."""
+        if self.active + weight <= self.capacity and not self._waiters:
+            self.active += weight
             return 0.0
         if len(self._waiters) >= self.max_queue:
             raise OverloadedError(
@@ -52,15 +63,16 @@ class Admission:
                 retry_after=self.retry_after(),
             )
         start = time.monotonic()
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), weight)
+        fut = waiter.future
+        self._waiters.append(waiter)
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_s)
         except TimeoutError:
             if fut.done() and not fut.cancelled():
                 return time.monotonic() - start  # granted at the last moment: keep it
             fut.cancel()
-            self._remove(fut)
+            self._remove(waiter)
             if self.capacity == 0:
                 raise UnavailableError(
                     f"no replica was ready to serve within {self.queue_timeout_s:g}s; retry later",
@@ -73,37 +85,41 @@ class Admission:
                 code="queue_timeout",
             ) from None
         except BaseException:
-            # Cancelled while queued (client gone): give back a permit granted meanwhile.
+            # Cancelled while queued (client gone): give back slots granted meanwhile.
             if fut.done() and not fut.cancelled():
-                self.release()
+                self.release(weight=weight)
             else:
                 fut.cancel()
-                self._remove(fut)
+                self._remove(waiter)
             raise
         return time.monotonic() - start
 
-    def release(self, held_s: float | None = None) -> None:
+    def release(self, held_s: float | None = None, weight: int = 1) -> None:
         if held_s is not None:
             self._hold_s = 0.8 * self._hold_s + 0.2 * held_s
-        if self.active > self.capacity:  # capacity shrank (a replica is down)
-            self.active -= 1
-            return
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the permit passes on; active is unchanged
-                return
-        self.active -= 1
+        self.active -= weight
+        self._grant()
 
-    def _remove(self, fut: asyncio.Future[None]) -> None:
-        with contextlib.suppress(ValueError):  # already handed a permit and popped
-            self._waiters.remove(fut)
+    def _grant(self) -> None:
+        """Hand free slots to the waiters, oldest first, while the oldest fits."""
+        waiters = self._waiters
+        while waiters:
+            head = waiters[0]
+            if head.future.done():  # gave up meanwhile
+                waiters.popleft()
+                continue
+            if self.active + head.weight > self.capacity:
+                return
+            waiters.popleft()
+            self.active += head.weight
+            head.future.set_result(None)
+
+    def _remove(self, waiter: _Waiter) -> None:
+        if waiter in self._waiters:  # else already handed its slots and popped
+            self._waiters.remove(waiter)
+        self._grant()  # a heavy head that gave up may have held lighter ones back
 
     def resize(self, capacity: int) -> None:
         """Change the slot count (replicas added or lost); wake waiters that now fit."""
         self.capacity = capacity
-        while self.active < self.capacity and self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                self.active += 1
+        self._grant()

@@ -25,6 +25,7 @@ from tokenmill.engines.base import Chunk, GenerationRequest, Usage
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.errors import (
     EngineError,
+    InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
     TokenmillError,
@@ -194,7 +195,7 @@ class RequestStream:
             rec.finish_reason = "abort"
             rec.status = "cancelled"
         # Capacity first: the slot and the permit return before any slow bookkeeping.
-        self._gateway._release(self.deployment, self._replica, rec)
+        self._gateway._release(self.deployment, self._replica, rec, self.request.choices)
         try:
             if stream is not None:
                 if not stream.ended:
@@ -308,20 +309,16 @@ class Gateway:
         """Admit, count the prompt, hold credit, pick a replica. Raises before streaming."""
         record = RequestRecord(request.request_id, deployment.id, caller)
         try:
-            if self.draining:
-                raise UnavailableError(
-                    "the gateway is shutting down and admits no new request; retry shortly "
-                    "(another instance, or this one once restarted)",
-                    retry_after=1.0,
-                    code="shutting_down",
+            self.check_admits(caller, "generate")
+            weight = request.choices
+            if weight > deployment.config.max_num_seqs:
+                raise InvalidRequestError(
+                    f"the request asks for {weight} choices (n times the prompts); a replica "
+                    f"of {deployment.id!r} generates at most {deployment.config.max_num_seqs} "
+                    "at once",
+                    param="n",
                 )
-            if caller.is_admin:
-                # The admin key bills no account: generating with it would be free.
-                raise PermissionDeniedError(
-                    "the admin key manages accounts and bills none: generate with an "
-                    "account's API key (POST /admin/keys)"
-                )
-            queue_s = await deployment.admission.acquire()
+            queue_s = await deployment.admission.acquire(weight)
         except BaseException as e:
             self._refused(record, e)
             raise
@@ -329,12 +326,13 @@ class Gateway:
         replica: Replica | None = None
         hold: HoldRequest | None = None
         try:
-            replica = await deployment.pick()
+            replica = await deployment.pick(weight)
             info = await replica.host.prepare(request)
             record.prompt_tokens = info.prompt_tokens
             max_tokens = request.sampling.max_tokens
             if max_tokens <= 0:  # not given: the rest of the context window
-                max_tokens = info.context_length - info.prompt_tokens
+                longest = info.longest_prompt or info.prompt_tokens
+                max_tokens = info.context_length - longest
                 request = dataclasses.replace(
                     request, sampling=dataclasses.replace(request.sampling, max_tokens=max_tokens)
                 )
@@ -343,14 +341,15 @@ class Gateway:
                 caller=caller,
                 deployment=deployment.id,
                 prompt_tokens=info.prompt_tokens,
-                max_tokens=max_tokens,
-                amount=cost(deployment.config.price, info.prompt_tokens, max_tokens),
+                # Every choice may run to max_tokens: the hold covers them all.
+                max_tokens=max_tokens * weight,
+                amount=cost(deployment.config.price, info.prompt_tokens, max_tokens * weight),
             )
             await self.meter.hold(hold)
         except BaseException as e:
             if replica is not None:
-                deployment.release(replica)
-            deployment.admission.release()
+                deployment.release(replica, weight)
+            deployment.admission.release(weight=weight)
             self._refused(record, e)
             raise
         stream = RequestStream(self, deployment, replica, request, hold, record)
@@ -358,6 +357,22 @@ class Gateway:
         for o in self.observers:
             o.on_start(record)
         return stream
+
+    def check_admits(self, caller: Caller, verb: str) -> None:
+        """Raise unless a billed request may start now: not while shutting down (503),
+        never on the admin key, which bills no account (it would be free: 403)."""
+        if self.draining:
+            raise UnavailableError(
+                "the gateway is shutting down and admits no new request; retry shortly "
+                "(another instance, or this one once restarted)",
+                retry_after=1.0,
+                code="shutting_down",
+            )
+        if caller.is_admin:
+            raise PermissionDeniedError(
+                f"the admin key manages accounts and bills none: {verb} with an "
+                "account's API key (POST /admin/keys)"
+            )
 
     def _refused(self, record: RequestRecord, e: BaseException) -> None:
         record.status = "rejected"
@@ -368,10 +383,12 @@ class Gateway:
             o.on_finish(record)
         self._log(record)
 
-    def _release(self, deployment: Deployment, replica: Replica, record: RequestRecord) -> None:
-        deployment.release(replica)
+    def _release(
+        self, deployment: Deployment, replica: Replica, record: RequestRecord, weight: int
+    ) -> None:
+        deployment.release(replica, weight)
         held_s = time.monotonic() - record.started - record.queue_s
-        deployment.admission.release(held_s)
+        deployment.admission.release(held_s, weight)
 
     async def _settle(self, hold: HoldRequest, record: RequestRecord) -> None:
         record.duration_s = time.monotonic() - record.started

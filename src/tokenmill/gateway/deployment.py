@@ -136,8 +136,9 @@ class Deployment:
             self._idle.task.cancel()
         await asyncio.gather(*(r.host.close() for r in self.replicas), return_exceptions=True)
 
-    async def pick(self) -> Replica:
-        """The ready replica with the fewest outstanding requests (loading it if idle)."""
+    async def pick(self, weight: int = 1) -> Replica:
+        """The ready replica with the fewest busy slots (loading it if idle); one with
+        ``weight`` slots free (a request's choices run on one replica) if any has."""
         ready = [r for r in self.replicas if r.serving()]
         if not ready:
             if all(r.state == "unloaded" for r in self.replicas):
@@ -154,8 +155,8 @@ class Deployment:
                 raise UnavailableError(
                     f"deployment {self.id!r} has no ready replica ({states}); retry shortly"
                 )
-        best = min(ready, key=lambda r: (r.in_flight, r.last_used))
-        best.in_flight += 1
+        best = min(ready, key=lambda r: (r.slots - r.in_flight < weight, r.in_flight, r.last_used))
+        best.in_flight += weight
         best.last_used = time.monotonic()
         return best
 
@@ -175,8 +176,8 @@ class Deployment:
             log.info("deployment %s: capacity %d slots", self.id, capacity)
             self.admission.resize(capacity)
 
-    def release(self, replica: Replica) -> None:
-        replica.in_flight -= 1
+    def release(self, replica: Replica, weight: int = 1) -> None:
+        replica.in_flight -= weight
         replica.last_used = time.monotonic()
 
     async def _unload_idle(self) -> None:

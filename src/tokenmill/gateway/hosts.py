@@ -20,6 +20,8 @@ ready requests wait in the deployment's queue.
 Requests keep the engine contract (:mod:`tokenmill.engines.base`): ``generate``
 returns a :class:`~tokenmill.engines.chunks.ChunkStream` ending in exactly one final
 item, ``cancel`` is fire-and-forget and ends the stream with the tokens produced.
+Embeddings keep :mod:`tokenmill.engines.embeddings`' (``prepare_embeddings``, then
+``embed``); a host whose engine cannot embed refuses with a 400 naming ``model``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,13 @@ from tokenmill.engines.base import (
     TokenizingEngine,
 )
 from tokenmill.engines.chunks import ChunkStream
+from tokenmill.engines.embeddings import (
+    EmbeddingEngine,
+    EmbeddingInfo,
+    EmbeddingRequest,
+    Embeddings,
+    cannot_embed,
+)
 from tokenmill.errors import InvalidRequestError
 
 ReplicaState = Literal["unloaded", "loading", "ready", "restarting", "unhealthy"]
@@ -90,6 +99,14 @@ class ReplicaHost(Protocol):
     async def detokenize(self, tokens: Sequence[int]) -> str: ...
 
     def context_length(self) -> int: ...
+
+    async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
+        """Tokenize and check the inputs: their token count, billed as prompt tokens."""
+        ...
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        """One unit-length vector per input (after ``prepare_embeddings``)."""
+        ...
 
     def health(self) -> EngineHealth: ...
 
@@ -168,6 +185,17 @@ class LocalHost:
 
     def context_length(self) -> int:
         return self._tokenizer().context_length()
+
+    def _embedder(self) -> EmbeddingEngine:
+        if not isinstance(self.engine, EmbeddingEngine):
+            raise InvalidRequestError(cannot_embed(self.engine.name), param="model")
+        return self.engine
+
+    async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
+        return await self._embedder().prepare_embeddings(request)
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        return await self._embedder().embed(request)
 
     def health(self) -> EngineHealth:
         return self.engine.health()

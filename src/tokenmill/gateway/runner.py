@@ -13,7 +13,9 @@ no event loop in this process. Other engines are driven through the plain
 ``generate()`` interface on the event loop. Either way every frame goes through one
 :class:`FrameOut`, so frames from both threads never interleave. An ``abort`` frame
 is the engine's ``cancel``: the request's final chunk (``abort``, with its usage)
-answers it like any other final chunk.
+answers it like any other final chunk. ``embed_prepare`` and ``embed`` frames are
+answered from tasks of their own: an embedding waits for the decode thread, and the
+frames behind it (an ``abort``, the next ``generate``) must not wait with it.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ from tokenmill.engines.base import (
     TokenizingEngine,
 )
 from tokenmill.engines.chunks import ChunkStream
+from tokenmill.engines.embeddings import EmbeddingEngine, cannot_embed
 from tokenmill.errors import InvalidRequestError
 from tokenmill.gateway.wire import (
     chunk_row,
+    decode_embedding,
     decode_request,
     decode_tokenize,
     encode_error,
@@ -138,6 +142,8 @@ class Runner:
         self.out = out
         # Streams of engines without a step sink, pumped into ``chunks`` frames.
         self.pumps: dict[str, asyncio.Task[None]] = {}
+        # Embedding calls being answered.
+        self.calls: set[asyncio.Task[None]] = set()
 
     def status(self) -> dict[str, Any]:
         h = self.engine.health()
@@ -195,6 +201,32 @@ class Runner:
                 answer: dict[str, Any] = {"tokens": tokens}
             else:
                 answer = {"text": await self.engine.detokenize(msg["tokens"])}
+        except Exception as e:
+            self.out.send({"op": "error", "id": call_id, "error": encode_error(e)})
+            return
+        self.out.send({"op": "answer", "id": call_id, **answer})
+
+    def embedding(self, msg: dict[str, Any]) -> None:
+        """An ``embed_prepare`` or ``embed`` frame, answered by its id from a task."""
+        task = asyncio.create_task(self._embedding(msg))
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+
+    async def _embedding(self, msg: dict[str, Any]) -> None:
+        call_id = msg["id"]
+        try:
+            if not isinstance(self.engine, EmbeddingEngine):
+                raise InvalidRequestError(cannot_embed(self.engine.name), param="model")
+            req = decode_embedding(msg["req"])
+            if msg["op"] == "embed_prepare":
+                info = await self.engine.prepare_embeddings(req)
+                answer: dict[str, Any] = {
+                    "prompt_tokens": info.prompt_tokens,
+                    "dimensions": info.dimensions,
+                }
+            else:
+                done = await self.engine.embed(req)
+                answer = {"vectors": done.vectors, "prompt_tokens": done.prompt_tokens}
         except Exception as e:
             self.out.send({"op": "error", "id": call_id, "error": encode_error(e)})
             return
@@ -281,11 +313,13 @@ async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> 
                 await runner.prepare(decode_request(msg["req"]))
             elif op in ("tokenize", "detokenize"):
                 await runner.answer(msg)
+            elif op in ("embed_prepare", "embed"):
+                runner.embedding(msg)
             elif op == "ping":
                 out.send({"op": "pong", "status": runner.status()})
     finally:
         status_task.cancel()
-        for task in list(runner.pumps.values()):
+        for task in [*runner.pumps.values(), *runner.calls]:
             task.cancel()
         await engine.close()
         out.flush()

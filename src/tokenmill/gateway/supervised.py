@@ -34,11 +34,13 @@ from tokenmill.engines.base import (
     TokenizeRequest,
 )
 from tokenmill.engines.chunks import ChunkStream
+from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
 from tokenmill.errors import EngineError, TokenmillError
 from tokenmill.gateway.hosts import ReplicaLocation, ReplicaState
 from tokenmill.gateway.wire import (
     decode_chunk_row,
     decode_error,
+    encode_embedding,
     encode_request,
     encode_tokenize,
 )
@@ -101,7 +103,7 @@ class _Incarnation:
     channel: Channel
     started: float = field(default_factory=time.monotonic)
     streams: dict[str, ChunkStream] = field(default_factory=dict)
-    # prepare / tokenize / detokenize calls waiting for their answer, by id.
+    # prepare / tokenize / detokenize / embed calls waiting for their answer, by id.
     calls: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     lost: bool = False
     answered: float = field(default_factory=time.monotonic)  # last frame received
@@ -387,6 +389,19 @@ class SupervisedHost:
     def context_length(self) -> int:
         # The replica reports its engine's in every status frame.
         return int(self._status.get("context_length") or 0)
+
+    async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
+        answer = await self._call(
+            self._next_call_id(), {"op": "embed_prepare", "req": encode_embedding(request)}
+        )
+        return EmbeddingInfo(int(answer["prompt_tokens"]), int(answer["dimensions"]))
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        answer = await self._call(
+            self._next_call_id(), {"op": "embed", "req": encode_embedding(request)}
+        )
+        vectors = tuple(tuple(float(x) for x in v) for v in answer["vectors"])
+        return Embeddings(vectors, int(answer["prompt_tokens"]))
 
     def generate(self, request: GenerationRequest) -> ChunkStream:
         current = self._live()

@@ -10,10 +10,10 @@ token.
 
 Frames, gateway -> replica: ``prepare``, ``generate``, ``abort`` (by id: the one way
 to stop a request, answered by its final ``abort`` chunk), ``tokenize``,
-``detokenize`` (by call id), ``ping``, ``close``. Replica -> gateway: ``ready`` /
-``fatal`` (start-up), ``prepared``, ``chunks``, ``answer`` (to a ``tokenize`` or
-``detokenize``), ``error`` (by id), ``status`` (the health snapshot, pushed when it
-changes), ``pong``.
+``detokenize``, ``embed_prepare``, ``embed`` (by call id), ``ping``, ``close``.
+Replica -> gateway: ``ready`` / ``fatal`` (start-up), ``prepared``, ``chunks``,
+``answer`` (to a call: ``tokenize`` to ``embed``), ``error`` (by id), ``status``
+(the health snapshot, pushed when it changes), ``pong``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from tokenmill.engines.base import (
     TopLogprob,
     Usage,
 )
+from tokenmill.engines.embeddings import EmbeddingRequest
 from tokenmill.errors import EngineError, TokenmillError
 
 HEADER = struct.Struct(">I")
@@ -67,6 +68,10 @@ def encode_request(r: GenerationRequest) -> dict[str, Any]:
         "m": None if r.messages is None else [[m.role, m.content] for m in r.messages],
         "t": r.chat_template,
         "k": None if r.prompt_tokens is None else list(r.prompt_tokens),
+        "ps": None
+        if r.prompts is None
+        else [p if isinstance(p, str) else list(p) for p in r.prompts],
+        "n": r.n,
     }
 
 
@@ -85,12 +90,24 @@ def decode_tokenize(d: dict[str, Any]) -> TokenizeRequest:
     )
 
 
+# An embedding request: text inputs as strings, token-id inputs as lists.
+def encode_embedding(r: EmbeddingRequest) -> dict[str, Any]:
+    inputs = [x if isinstance(x, str) else list(x) for x in r.inputs]
+    return {"id": r.request_id, "i": inputs, "d": r.dimensions}
+
+
+def decode_embedding(d: dict[str, Any]) -> EmbeddingRequest:
+    inputs = tuple(x if isinstance(x, str) else tuple(int(t) for t in x) for x in d["i"])
+    return EmbeddingRequest(request_id=d["id"], inputs=inputs, dimensions=d["d"])
+
+
 def decode_request(d: dict[str, Any]) -> GenerationRequest:
     s = dict(d["s"])
     s["stop"] = tuple(s["stop"])
     s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
     messages = d["m"]
     tokens = d.get("k")
+    prompts = d.get("ps")
     return GenerationRequest(
         request_id=d["id"],
         sampling=SamplingParams(**s),
@@ -98,6 +115,10 @@ def decode_request(d: dict[str, Any]) -> GenerationRequest:
         messages=None if messages is None else tuple(ChatMessage(r, c) for r, c in messages),
         chat_template=d["t"],
         prompt_tokens=None if tokens is None else tuple(int(t) for t in tokens),
+        prompts=None
+        if prompts is None
+        else tuple(p if isinstance(p, str) else tuple(int(t) for t in p) for p in prompts),
+        n=int(d.get("n", 1)),
     )
 
 
@@ -169,9 +190,16 @@ def chunk_row(rid: str, chunk: Chunk) -> list[Any]:
     """One row of a ``chunks`` frame."""
     usage = encode_usage(chunk.usage)
     logprobs = encode_logprobs(chunk.logprobs)
-    return [rid, chunk.text, chunk.finish_reason, usage, chunk.tokens, logprobs]
+    row = [rid, chunk.text, chunk.finish_reason, usage, chunk.tokens, logprobs]
+    if chunk.index or chunk.choice_finish:  # a request with several choices
+        row += [chunk.index, chunk.choice_finish]
+    return row
 
 
 def decode_chunk_row(row: list[Any]) -> tuple[str, Chunk]:
-    rid, text, reason, usage, tokens, logprobs = row
-    return rid, Chunk(text, reason, decode_usage(usage), tokens, decode_logprobs(logprobs))
+    rid, text, reason, usage, tokens, logprobs, *choice = row
+    index, choice_finish = choice or (0, None)
+    chunk = Chunk(
+        text, reason, decode_usage(usage), tokens, decode_logprobs(logprobs), index, choice_finish
+    )
+    return rid, chunk

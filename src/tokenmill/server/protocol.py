@@ -27,6 +27,11 @@ from tokenmill.server.refused import RefusedFields
 # A stop list longer than this is almost certainly a client bug, and each stop string
 # is checked on every token.
 MAX_STOP_STRINGS = 16
+# Choices a request may ask for (``n``): OpenAI's limit. A replica's slots bound it
+# further (the gateway says so with a 400).
+MAX_CHOICES = 128
+# Prompts in one /v1/completions request (each with ``n`` choices, within the slots).
+MAX_PROMPTS = 128
 DEFAULT_MAX_TOKENS = 256
 # OpenAI's limits on logit_bias: a bias per token in [-100, 100], 300 tokens at most
 # (each is a sampler entry of every step).
@@ -131,19 +136,18 @@ class SamplingFields(RefusedFields):
             ]
         },
     )
-    n: Int = Field(default=1, json_schema_extra={"const": 1})
+    n: Int = Field(
+        default=1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="choices to generate (per prompt); each samples on its own, with a "
+        "`seed` choice i uses seed + i; the prompt is computed and billed once",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     chat_template: str | None = None
     user: str | None = None
     ignore_eos: bool = False
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -247,15 +251,21 @@ TOKEN_IDS_SCHEMA: dict[str, Any] = {
 
 
 class CompletionRequest(SamplingFields):
-    # Several prompts (a list of strings, a list of token-id lists) are parsed to be
-    # refused by name.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
-        description="the prompt: its text, or its token ids (see `POST /tokenize`)",
+        description="the prompt: its text or its token ids (see `POST /tokenize`), or "
+        "several prompts (a list of texts or of token-id lists): one choice each (times "
+        "`n`), `index` in order",
         json_schema_extra={
             "anyOf": [
                 {"type": "string"},
-                _strings(min_items=1, max_items=1),
                 TOKEN_IDS_SCHEMA,
+                _strings(min_items=1, max_items=MAX_PROMPTS),
+                {
+                    "type": "array",
+                    "items": TOKEN_IDS_SCHEMA,
+                    "minItems": 1,
+                    "maxItems": MAX_PROMPTS,
+                },
             ]
         },
     )
@@ -266,7 +276,11 @@ class CompletionRequest(SamplingFields):
         default=False,
         description="the prompt before the completion (with `logprobs`, its tokens' too)",
     )
-    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo"})
+    best_of: Int | None = Field(
+        default=None, ge=1, le=MAX_CHOICES, description="equal to `n` if given (none is ranked)"
+    )
+    # best_of equal to n is n (no candidates are ranked); refused otherwise by the route.
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"echo", "best_of"})
 
     def logprob_alternatives(self) -> int | None:
         return self.logprobs
@@ -276,33 +290,27 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(
+    def _prompts(
         cls, v: str | list[int] | list[str] | list[list[int]]
     ) -> str | list[int] | list[str] | list[list[int]]:
         if isinstance(v, list) and not v:
             raise ValueError("the prompt is empty")
-        if isinstance(v, list) and isinstance(v[0], list):
-            raise ValueError(
-                "exactly one prompt is supported per request; send its token ids as one flat list"
-            )
-        if isinstance(v, list) and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("exactly one prompt is supported per request")
+        if isinstance(v, list) and isinstance(v[0], str | list) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed per request")
+        if isinstance(v, list) and isinstance(v[0], list) and not all(v):
+            raise ValueError("a prompt is empty (a token-id list with no ids)")
         return v
 
-    @property
-    def prompt_text(self) -> str | None:
-        """The prompt as text; None when it came as token ids."""
-        if isinstance(self.prompt, str):
-            return self.prompt
-        first = self.prompt[0]
-        return first if isinstance(first, str) else None
-
-    @property
-    def prompt_tokens(self) -> tuple[int, ...] | None:
-        """The prompt as token ids, when it came so."""
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], int):
-            return tuple(t for t in self.prompt if isinstance(t, int))
-        return None
+    def prompt_items(self) -> tuple[str | tuple[int, ...], ...]:
+        """Every prompt, as text or token ids, in order."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return (prompt,)
+        if isinstance(prompt[0], int):
+            return (tuple(t for t in prompt if isinstance(t, int)),)
+        return tuple(
+            p if isinstance(p, str) else tuple(p) for p in prompt if isinstance(p, str | list)
+        )
 
 
 class PredictRequest(ChatLogprobFields):

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableError
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
-from tokenmill.server import serving
+from tokenmill.server import embeddings, serving
 from tokenmill.server.errors import from_validation_error, read_body
 from tokenmill.server.openapi import (
     USAGE_LINK,
@@ -102,6 +102,7 @@ async def _generate(
     *,
     prompt: str | None = None,
     prompt_tokens: tuple[int, ...] | None = None,
+    prompts: tuple[str | tuple[int, ...], ...] | None = None,
     messages: Any = None,
 ) -> Response:
     gw = gateway_of(request)
@@ -114,6 +115,7 @@ async def _generate(
         request.state.caller,
         prompt=prompt,
         prompt_tokens=prompt_tokens,
+        prompts=prompts,
         messages=messages,
     )
     return await respond(request, gen, body.stream)
@@ -156,15 +158,22 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/v1/completions", **_generated(CompletionRequest, Completion, CompletionChunk))
 async def completions(request: Request) -> Response:
     body = await parse(request, CompletionRequest)
+    if body.best_of is not None and body.best_of != body.n:
+        # best_of = n returns every candidate: that is n. Ranking candidates is not built.
+        raise InvalidRequestError(
+            f"best_of {body.best_of} with n {body.n}: tokenmill returns every choice it "
+            "generates and ranks none; send best_of equal to n, or leave it out",
+            param="best_of",
+            code="unsupported_parameter",
+        )
     deployment = gateway_of(request).deployment(body.model)
-    return await _generate(
-        request,
-        body,
-        "completion",
-        deployment,
-        prompt=body.prompt_text,
-        prompt_tokens=body.prompt_tokens,
-    )
+    items = body.prompt_items()
+    if len(items) > 1:
+        return await _generate(request, body, "completion", deployment, prompts=items)
+    (item,) = items
+    if isinstance(item, str):
+        return await _generate(request, body, "completion", deployment, prompt=item)
+    return await _generate(request, body, "completion", deployment, prompt_tokens=item)
 
 
 @router.post(
@@ -185,6 +194,30 @@ async def tokenize(request: Request) -> Tokenized:
 async def detokenize(request: Request) -> Detokenized:
     body = await parse(request, DetokenizeBody)
     return await serving.detokenize(gateway_of(request).deployment(body.model), body)
+
+
+@router.post(
+    "/v1/embeddings",
+    openapi_extra=json_body(embeddings.EmbeddingBody),
+    responses={
+        200: {
+            **json_response(embeddings.EmbeddingList, "One unit-length vector per input"),
+            "links": USAGE_LINK,
+        },
+        **errors(400, 402, 403, 404, 413, 429, 502, 503),
+    },
+)
+async def create_embeddings(request: Request) -> Response:
+    body = await parse(request, embeddings.EmbeddingBody)
+    gw = gateway_of(request)
+    answer = await embeddings.embeddings(
+        gw,
+        gw.deployment(body.model),
+        body,
+        request.state.request_id,
+        request.state.caller,
+    )
+    return JSONResponse(answer, headers={"x-request-id": request.state.request_id})
 
 
 async def _predict(request: Request, deployment_id: str, stream: bool) -> Response:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from tokenmill.engines.base import (
     GenerationRequest,
+    PromptItem,
     TokenizeRequest,
     TokenLogprob,
     Usage,
@@ -101,9 +102,10 @@ class Generation:
     include_usage: bool
     created: int
     logprobs: bool = False
-    # The stream's first chunk is the prompt (``echo``): it goes out first, and the
+    # Each choice's first chunk is its prompt (``echo``): it goes out first, and the
     # completion's text offsets count from the prompt's start.
     echo: bool = False
+    choices: int = 1  # ``n`` times the prompts; chunks carry their choice's index
 
     @property
     def request_id(self) -> str:
@@ -113,6 +115,9 @@ class Generation:
     def response_id(self) -> str:
         prefix = "chatcmpl" if self.route == "chat" else "cmpl"
         return f"{prefix}-{self.request_id.removeprefix('req-')}"
+
+    def _choices(self) -> dict[int, _Choice]:
+        return {i: _Choice(prompt=self.echo) for i in range(self.choices)}
 
     def _frame(self, choice: dict[str, Any]) -> bytes:
         return encode_event(
@@ -135,41 +140,58 @@ class Generation:
         text: str,
         finish_reason: str | None = None,
         tokens: tuple[TokenLogprob, ...] = (),
+        index: int = 0,
     ) -> bytes:
         logprobs = self._logprobs(tokens) if tokens else None
         if self.route == "chat":
             delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
             return self._frame(
-                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
             )
         return self._frame(
-            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         )
 
     async def events(self) -> AsyncIterator[bytes]:
         """SSE frames; an error after streaming began becomes an ``error`` event."""
         try:
+            choices = self._choices()
             if self.route == "chat":
-                yield self._frame(
-                    {
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
-            prompt = self.echo
-            base = 0
+                for index in choices:
+                    yield self._frame(
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
             async for chunk in self.stream:
-                if prompt:
-                    prompt = False
-                    base = len(chunk.text)
-                    yield self._text_frame(chunk.text, tokens=chunk.logprobs)
+                index = chunk.index
+                choice = choices[index]
+                if choice.prompt:
+                    choice.prompt = False
+                    choice.base = len(chunk.text)
+                    yield self._text_frame(chunk.text, tokens=chunk.logprobs, index=index)
                     continue
                 if chunk.text or chunk.logprobs:
-                    yield self._text_frame(chunk.text, tokens=_shifted(chunk.logprobs, base))
+                    tokens = _shifted(chunk.logprobs, choice.base)
+                    yield self._text_frame(chunk.text, tokens=tokens, index=index)
+                if chunk.choice_finish is not None:
+                    choice.finished = True
+                    yield self._text_frame("", _public_reason(chunk.choice_finish), index=index)
                 if chunk.finish_reason is not None:
-                    yield self._text_frame("", _public_reason(chunk.finish_reason))
+                    # The request's end: its last choice's, and any still open (an abort).
+                    reason = _public_reason(chunk.finish_reason)
+                    for i in [index, *(i for i, c in choices.items() if i != index)]:
+                        if not choices[i].finished:
+                            choices[i].finished = True
+                            yield self._text_frame("", reason, index=i)
             if self.include_usage:
                 usage = usage_body(self.stream.usage, self.stream.prompt_tokens)
                 frame: dict[str, Any] = {
@@ -189,43 +211,56 @@ class Generation:
 
     async def collect(self) -> dict[str, Any]:
         """The whole completion as one OpenAI response body."""
-        parts: list[str] = []
-        tokens: list[TokenLogprob] = []
-        reason: str | None = None
-        prompt = self.echo
-        base = 0
+        choices = self._choices()
         async for chunk in self.stream:
-            if prompt:
-                prompt = False
-                base = len(chunk.text)
+            choice = choices[chunk.index]
+            if choice.prompt:
+                choice.prompt = False
+                choice.base = len(chunk.text)
             else:
-                chunk = replace(chunk, logprobs=_shifted(chunk.logprobs, base))
+                chunk = replace(chunk, logprobs=_shifted(chunk.logprobs, choice.base))
             if chunk.text:
-                parts.append(chunk.text)
-            tokens.extend(chunk.logprobs)
+                choice.parts.append(chunk.text)
+            choice.tokens.extend(chunk.logprobs)
+            if chunk.choice_finish is not None:
+                choice.reason = _public_reason(chunk.choice_finish)
             if chunk.finish_reason is not None:
-                reason = _public_reason(chunk.finish_reason)
-        text = "".join(parts)
-        logprobs = self._logprobs(tokens)
-        if self.route == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-            obj = "text_completion"
+                for c in choices.values():  # the last choice's end, and any still open
+                    if c is choice or c.reason is None:
+                        c.reason = _public_reason(chunk.finish_reason)
+        bodies = [self._choice_body(i, c) for i, c in choices.items()]
         return {
             "id": self.response_id,
-            "object": obj,
+            "object": "chat.completion" if self.route == "chat" else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": bodies,
             "usage": usage_body(self.stream.usage, self.stream.prompt_tokens),
         }
+
+    def _choice_body(self, index: int, choice: _Choice) -> dict[str, Any]:
+        text = "".join(choice.parts)
+        logprobs = self._logprobs(choice.tokens)
+        if self.route == "chat":
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": choice.reason,
+            }
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.reason}
+
+
+@dataclass
+class _Choice:
+    """One choice of a response while its chunks come in."""
+
+    prompt: bool = False  # its echoed prompt is still to come
+    base: int = 0  # its echoed prompt's length: where the completion's offsets start
+    finished: bool = False
+    reason: str | None = None
+    parts: list[str] = field(default_factory=list)
+    tokens: list[TokenLogprob] = field(default_factory=list)
 
 
 def _shifted(tokens: tuple[TokenLogprob, ...], chars: int) -> tuple[TokenLogprob, ...]:
@@ -253,6 +288,7 @@ async def open_generation(
     *,
     prompt: str | None = None,
     prompt_tokens: tuple[int, ...] | None = None,
+    prompts: tuple[PromptItem, ...] | None = None,
     messages: list[Message] | None = None,
 ) -> Generation:
     """Build the engine request and open it through the gateway (may raise)."""
@@ -267,8 +303,10 @@ async def open_generation(
         sampling=body.sampling_params(body.max_tokens or 0),
         prompt=prompt,
         prompt_tokens=prompt_tokens,
+        prompts=prompts,
         messages=chat,
         chat_template=body.chat_template,
+        n=body.n,
     )
     stream = await gateway.open(deployment, request, caller)
     return Generation(
@@ -279,6 +317,7 @@ async def open_generation(
         created=int(time.time()),
         logprobs=body.logprob_alternatives() is not None,
         echo=request.sampling.echo,
+        choices=request.choices,
     )
 
 
