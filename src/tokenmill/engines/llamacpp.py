@@ -52,6 +52,7 @@ from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
 from tokenmill.engines.llama_embed import Embedder
+from tokenmill.engines.logits import LogitRow
 from tokenmill.engines.logprobs import TokenAligner, finite
 from tokenmill.engines.sampling import build_sampler
 from tokenmill.engines.slots import Slot, apply_placement, plan_placement
@@ -687,13 +688,13 @@ class LlamaCppEngine:
         self.steps += 1
         for seq, idx in prompt_rows:
             assert seq.prompt_logprobs is not None
-            row = self._log_softmax(idx)
+            row = self._logit_row(idx)
             token = seq.prompt[len(seq.prompt_logprobs) + 1]  # the token this row predicts
             top = self._top(row, seq.sampling.logprobs or 0)
-            seq.prompt_logprobs.append((finite(float(row[token])), top))
+            seq.prompt_logprobs.append((finite(row.logprob(token)), top))
         for seq, idx in outputs:
             # Read before sampling: the model's own distribution, untouched by it.
-            logprobs = None if seq.aligner is None else self._log_softmax(idx)
+            logprobs = None if seq.aligner is None else self._logit_row(idx)
             if seq.followers:  # the prompt is in: the other choices start from here
                 for follower in seq.followers:
                     if not follower.done:
@@ -706,7 +707,7 @@ class LlamaCppEngine:
         self,
         seq: _Sequence,
         idx: int,
-        logprobs: Any,
+        logprobs: LogitRow | None,
         events: list[tuple[_Sequence, Chunk | BaseException]],
     ) -> None:
         """Sample ``seq``'s next token from batch output ``idx`` and pass its text on."""
@@ -733,7 +734,7 @@ class LlamaCppEngine:
         if seq.aligner is not None and logprobs is not None:
             top = self._top(logprobs, seq.sampling.logprobs or 0)
             stream = seq.stream
-            seq.aligner.add(piece, float(logprobs[token]), top, stream.decoded, stream.partial)
+            seq.aligner.add(piece, logprobs.logprob(token), top, stream.decoded, stream.partial)
         if seq.stream.stopped:
             self._finish(seq, "stop", events, text)
         elif seq.generated >= seq.sampling.max_tokens or (
@@ -764,21 +765,19 @@ class LlamaCppEngine:
         parts.append(decoder.decode(b"", final=True))
         return Chunk("".join(parts), logprobs=tuple(tokens), index=seq.index)
 
-    def _log_softmax(self, idx: int) -> Any:
-        """Log probabilities of the next token at batch output ``idx``, from the raw logits."""
+    def _logit_row(self, idx: int) -> LogitRow:
+        """The raw logits at batch output ``idx`` (copied), for log probabilities."""
         n_vocab = self.vocab.n_tokens
         raw = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, idx), shape=(n_vocab,))
-        logits = raw.astype(np.float64)
-        peak = logits.max()
-        return logits - (peak + np.log(np.exp(logits - peak).sum()))
+        return LogitRow(raw)
 
-    def _top(self, logprobs: Any, k: int) -> tuple[TopLogprob, ...]:
+    def _top(self, row: LogitRow, k: int) -> tuple[TopLogprob, ...]:
         if k <= 0:
             return ()
-        best = np.argpartition(logprobs, -k)[-k:]
-        best = best[np.argsort(-logprobs[best], kind="stable")]
+        # Control tokens as written (<|im_end|>): as text they would all be "", and
+        # several would collide as keys of a completion's top_logprobs.
         piece = self.vocab.piece
-        return tuple(TopLogprob(piece(int(t)), float(logprobs[t])) for t in best)
+        return tuple(TopLogprob(piece(t, special=True), finite(lp)) for t, lp in row.top(k))
 
     def _finish(
         self,
