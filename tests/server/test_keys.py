@@ -212,10 +212,16 @@ async def test_api_keys_are_stored_and_found_by_digest_only(tmp_path: Path) -> N
 def test_tokenize_and_detokenize_take_a_key_like_v1(gateway: ServerProcess) -> None:
     with httpx.Client(base_url=gateway.url, timeout=60) as client:
         _, _, key = new_key(client, "carol")
-        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
-            refused(client.post(path, json=body), 401, "missing_api_key")
-            refused(client.post(path, json=body, headers=bearer("x")), 401, "invalid_api_key")
-            # Past the key check: a scripted deployment has no tokenizer to use.
-            resp = client.post(path, json=body, headers=bearer(key))
+        calls = (
+            ("POST", "/tokenize", {"prompt": "hi"}),
+            ("POST", "/detokenize", {"tokens": [1]}),
+            ("GET", "/tokenizer_info", None),
+        )
+        for method, path, body in calls:
+            refused(client.request(method, path, json=body), 401, "missing_api_key")
+            resp = client.request(method, path, json=body, headers=bearer("x"))
+            refused(resp, 401, "invalid_api_key")
+            # Past the key check: the (single) scripted deployment has no tokenizer.
+            resp = client.request(method, path, json=body, headers=bearer(key))
             refused(resp, 400)
             assert resp.json()["error"]["param"] == "model"

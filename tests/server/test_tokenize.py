@@ -1,4 +1,5 @@
-"""``/tokenize``, ``/detokenize`` and completions from token ids, over HTTP.
+"""``/tokenize``, ``/detokenize``, ``/tokenizer_info`` and completions from token ids,
+over HTTP.
 
 One gateway holds every kind of deployment that can tokenize: llama.cpp in a replica
 process (the default) and in the gateway's own process, an upstream proxy with a
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import jinja2
 import openai
 import pytest
 
@@ -124,6 +126,44 @@ def test_an_unknown_model_is_a_404(http: httpx.Client, path: str) -> None:
     body = {"model": "nope", "prompt": PROMPT, "tokens": [1]}
     err = assert_error(http.post(path, json=body), 404)
     assert err["param"] == "model"
+
+
+# SmolLM2's special tokens; its end-of-sequence token is id 2.
+EOS, BOS, EOS_ID = "<|im_end|>", "<|im_start|>", 2
+
+
+@pytest.mark.parametrize("model", [*LLAMACPP, "counted"])
+def test_tokenizer_info_is_what_lm_evals_remote_tokenizer_reads(
+    http: httpx.Client, model: str
+) -> None:
+    info = ok(http.get("/tokenizer_info", params={"model": model}))
+    assert info["eos_token"] == EOS and info["bos_token"] == BOS
+    assert info["pad_token"] is None or isinstance(info["pad_token"], str)
+    assert info["tokenizer_class"].startswith("llama.cpp")
+    assert info["model_max_length"] == {**LLAMACPP, "counted": 4096}[model]
+    # lm-eval's eos id: /tokenize of the eos token's text, the first id (one, here).
+    body = {"model": model, "prompt": info["eos_token"], "add_special_tokens": False}
+    assert ok(http.post("/tokenize", json=body))["tokens"] == [EOS_ID]
+    assert ok(http.post("/detokenize", json={"model": model, "tokens": [EOS_ID]})) == {
+        "prompt": EOS
+    }
+    # The model's own template, rendered as lm-eval renders it, is what a chat sees.
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    rendered = env.from_string(info["chat_template"]).render(
+        messages=ASK, add_generation_prompt=True
+    )
+    chat = ok(http.post("/tokenize", json={"model": model, "messages": ASK}))
+    text = ok(http.post("/detokenize", json={"model": model, "tokens": chat["tokens"]}))
+    assert rendered == text["prompt"]
+
+
+def test_tokenizer_info_without_a_tokenizer_or_a_model(http: httpx.Client) -> None:
+    err = assert_error(http.get("/tokenizer_info", params={"model": "estimated"}), 400)
+    assert err["param"] == "model" and "tokenizer" in err["message"]
+    unknown = assert_error(http.get("/tokenizer_info", params={"model": "nope"}), 404)
+    assert unknown["param"] == "model"
+    # Several deployments and none named: 'model' is required, as for /tokenize.
+    assert assert_error(http.get("/tokenizer_info"), 404)["param"] == "model"
 
 
 @pytest.mark.parametrize("model", list(LLAMACPP))

@@ -153,6 +153,20 @@ class TokenizeRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenizerInfo:
+    """What a client needs to tokenize like the model (vLLM's ``/tokenizer_info``):
+    its special tokens as text (None where the model has none), its own chat template
+    and the tokens one sequence may hold."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -273,7 +287,8 @@ class Engine(Protocol):
 
 @runtime_checkable
 class TokenizingEngine(Protocol):
-    """An optional capability: the model's own tokenizer (``/tokenize``, ``/detokenize``).
+    """An optional capability: the model's own tokenizer (``/tokenize``, ``/detokenize``,
+    ``/tokenizer_info``).
 
     Engines that run the model have it; a process replica forwards it to its child;
     an upstream proxy has it when its deployment names a ``tokenizer`` (else it raises
@@ -291,6 +306,10 @@ class TokenizingEngine(Protocol):
 
     def context_length(self) -> int:
         """Tokens one sequence may hold (prompt and completion)."""
+        ...
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        """The tokenizer's special tokens, chat template and context length."""
         ...
 
 

@@ -44,6 +44,7 @@ from tokenmill.engines.base import (
     SamplingParams,
     StepSink,
     TokenizeRequest,
+    TokenizerInfo,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -343,6 +344,11 @@ class LlamaCppEngine:
 
     def context_length(self) -> int:
         return self.n_ctx_seq
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        if self._vocab is None:
+            await self.start()
+        return self.vocab.info(self.n_ctx_seq)
 
     # -- embeddings (the work runs on the decode thread: see llama_embed.py) -------------
 

@@ -45,6 +45,7 @@ from tokenmill.engines.base import (
     Prepared,
     PromptInfo,
     TokenizeRequest,
+    TokenizerInfo,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -215,6 +216,11 @@ class UpstreamEngine:
 
     def context_length(self) -> int:
         return self.config.n_ctx
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        if self._client is None:
+            await self.start()
+        return self._own_tokenizer().vocab.info(self.config.n_ctx)
 
     def health(self) -> EngineHealth:
         return EngineHealth(

@@ -19,10 +19,13 @@ from typing import Any
 
 import llama_cpp as ll
 
-from tokenmill.engines.base import GenerationRequest, TokenizeRequest
+from tokenmill.engines.base import GenerationRequest, TokenizeRequest, TokenizerInfo
 from tokenmill.engines.chat_template import render_chat
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.errors import EngineError, InvalidRequestError
+
+# llama.cpp's vocabulary types (``llama_vocab_type``), named in ``tokenizer_class``.
+_VOCAB_TYPES = {1: "SPM", 2: "BPE", 3: "WPM", 4: "UGM", 5: "RWKV"}
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -55,6 +58,23 @@ class Vocab:
             return ""
         raw = ll.llama_vocab_get_text(self.handle, token)
         return raw.decode("utf-8", errors="replace") if raw else ""
+
+    def info(self, context_length: int) -> TokenizerInfo:
+        """Special tokens as text (tokenizing one with ``special`` gives its id back),
+        the model's own chat template and ``context_length``."""
+
+        def special(token: int) -> str | None:
+            return self.token_text(token) if token >= 0 else None
+
+        kind = _VOCAB_TYPES.get(ll.llama_vocab_type(self.handle), "unknown")
+        return TokenizerInfo(
+            tokenizer_class=f"llama.cpp {kind}",
+            eos_token=special(ll.llama_vocab_eos(self.handle)),
+            bos_token=special(ll.llama_vocab_bos(self.handle)),
+            pad_token=special(ll.llama_vocab_pad(self.handle)),
+            chat_template=self.template,
+            model_max_length=context_length,
+        )
 
     def render(self, request: GenerationRequest | TokenizeRequest) -> str:
         """The prompt text: the request's ``prompt``, or its messages through the template."""

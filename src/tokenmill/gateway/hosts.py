@@ -37,6 +37,7 @@ from tokenmill.engines.base import (
     GenerationRequest,
     PromptInfo,
     TokenizeRequest,
+    TokenizerInfo,
     TokenizingEngine,
 )
 from tokenmill.engines.chunks import ChunkStream
@@ -99,6 +100,10 @@ class ReplicaHost(Protocol):
     async def detokenize(self, tokens: Sequence[int]) -> str: ...
 
     def context_length(self) -> int: ...
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        """The engine's tokenizer: special tokens, chat template, context length."""
+        ...
 
     async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
         """Tokenize and check the inputs: their token count, billed as prompt tokens."""
@@ -185,6 +190,9 @@ class LocalHost:
 
     def context_length(self) -> int:
         return self._tokenizer().context_length()
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        return await self._tokenizer().tokenizer_info()
 
     def _embedder(self) -> EmbeddingEngine:
         if not isinstance(self.engine, EmbeddingEngine):

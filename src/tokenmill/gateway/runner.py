@@ -53,6 +53,7 @@ from tokenmill.gateway.wire import (
     decode_tokenize,
     encode_error,
     encode_frame,
+    encode_tokenizer_info,
     read_frame,
 )
 
@@ -189,7 +190,7 @@ class Runner:
         )
 
     async def answer(self, msg: dict[str, Any]) -> None:
-        """A ``tokenize`` or ``detokenize`` frame, answered by its id."""
+        """A ``tokenize``, ``detokenize`` or ``tokenizer_info`` frame, answered by its id."""
         call_id = msg["id"]
         try:
             if not isinstance(self.engine, TokenizingEngine):
@@ -199,6 +200,8 @@ class Runner:
             if msg["op"] == "tokenize":
                 tokens = await self.engine.tokenize(decode_tokenize(msg["req"]))
                 answer: dict[str, Any] = {"tokens": tokens}
+            elif msg["op"] == "tokenizer_info":
+                answer = {"info": encode_tokenizer_info(await self.engine.tokenizer_info())}
             else:
                 answer = {"text": await self.engine.detokenize(msg["tokens"])}
         except Exception as e:
@@ -311,7 +314,7 @@ async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> 
                 engine.cancel(msg["id"])
             elif op == "prepare":
                 await runner.prepare(decode_request(msg["req"]))
-            elif op in ("tokenize", "detokenize"):
+            elif op in ("tokenize", "detokenize", "tokenizer_info"):
                 await runner.answer(msg)
             elif op in ("embed_prepare", "embed"):
                 runner.embedding(msg)

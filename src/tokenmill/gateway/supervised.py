@@ -32,6 +32,7 @@ from tokenmill.engines.base import (
     GenerationRequest,
     PromptInfo,
     TokenizeRequest,
+    TokenizerInfo,
 )
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
@@ -40,6 +41,7 @@ from tokenmill.gateway.hosts import ReplicaLocation, ReplicaState
 from tokenmill.gateway.wire import (
     decode_chunk_row,
     decode_error,
+    decode_tokenizer_info,
     encode_embedding,
     encode_request,
     encode_tokenize,
@@ -385,6 +387,10 @@ class SupervisedHost:
             self._next_call_id(), {"op": "detokenize", "tokens": list(tokens)}
         )
         return str(answer["text"])
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        answer = await self._call(self._next_call_id(), {"op": "tokenizer_info"})
+        return decode_tokenizer_info(answer["info"])
 
     def context_length(self) -> int:
         # The replica reports its engine's in every status frame.

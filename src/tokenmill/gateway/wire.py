@@ -10,9 +10,10 @@ token.
 
 Frames, gateway -> replica: ``prepare``, ``generate``, ``abort`` (by id: the one way
 to stop a request, answered by its final ``abort`` chunk), ``tokenize``,
-``detokenize``, ``embed_prepare``, ``embed`` (by call id), ``ping``, ``close``.
-Replica -> gateway: ``ready`` / ``fatal`` (start-up), ``prepared``, ``chunks``,
-``answer`` (to a call: ``tokenize`` to ``embed``), ``error`` (by id), ``status``
+``detokenize``, ``tokenizer_info``, ``embed_prepare``, ``embed`` (by call id),
+``ping``, ``close``. Replica -> gateway: ``ready`` / ``fatal`` (start-up),
+``prepared``, ``chunks``, ``answer`` (to a call: ``tokenize`` to ``embed``),
+``error`` (by id), ``status``
 (the health snapshot, pushed when it changes), ``pong``.
 """
 
@@ -31,6 +32,7 @@ from tokenmill.engines.base import (
     GenerationRequest,
     SamplingParams,
     TokenizeRequest,
+    TokenizerInfo,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -87,6 +89,24 @@ def decode_tokenize(d: dict[str, Any]) -> TokenizeRequest:
         messages=None if messages is None else tuple(ChatMessage(r, c) for r, c in messages),
         chat_template=d["t"],
         add_generation_prompt=bool(d["g"]),
+    )
+
+
+def encode_tokenizer_info(info: TokenizerInfo) -> dict[str, Any]:
+    return dataclasses.asdict(info)
+
+
+def decode_tokenizer_info(d: dict[str, Any]) -> TokenizerInfo:
+    def text(v: Any) -> str | None:
+        return None if v is None else str(v)
+
+    return TokenizerInfo(
+        tokenizer_class=str(d["tokenizer_class"]),
+        eos_token=text(d["eos_token"]),
+        bos_token=text(d["bos_token"]),
+        pad_token=text(d["pad_token"]),
+        chat_template=text(d["chat_template"]),
+        model_max_length=int(d["model_max_length"]),
     )
 
 

@@ -1,11 +1,11 @@
 """API-key authentication: who is calling, resolved once per request.
 
 With ``admin_key`` unset the gateway is open (local use): every caller is the
-anonymous account. With it set, ``/v1``, ``/tokenize`` and ``/detokenize`` need
-``Authorization: Bearer <key>`` and ``/admin`` needs the admin key. Keys are looked
-up by their SHA-256, cached for a moment to keep the hot path off the database;
-revocation still bites at once where it matters, because every hold re-checks the
-key inside its transaction.
+anonymous account. With it set, ``/v1``, ``/tokenize``, ``/detokenize`` and
+``/tokenizer_info`` need ``Authorization: Bearer <key>`` and ``/admin`` needs the
+admin key. Keys are looked up by their SHA-256, cached for a moment to keep the hot
+path off the database; revocation still bites at once where it matters, because
+every hold re-checks the key inside its transaction.
 
 A presented key is never compared with a secret character by character: the admin key
 is compared as SHA-256 digests with :func:`hmac.compare_digest` (constant time, and
@@ -77,7 +77,7 @@ class KeyCache:
 
 
 # Outside /v1 and keyed like it: vLLM's paths for the model's tokenizer.
-KEYED_ROOT_PATHS = ("/tokenize", "/detokenize")
+KEYED_ROOT_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def needs_api_key(path: str) -> bool:

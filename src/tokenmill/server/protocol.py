@@ -552,6 +552,17 @@ class Detokenized(_Response):
     prompt: str = Field(description="the text of the tokens")
 
 
+class TokenizerInfoBody(_Response):
+    """``GET /tokenizer_info``: vLLM's shape, as far as a GGUF tokenizer fills it."""
+
+    tokenizer_class: str = Field(description="llama.cpp and its vocabulary type (BPE, SPM, ...)")
+    eos_token: str | None = Field(description="the end-of-sequence token's text")
+    bos_token: str | None = Field(description="the beginning-of-sequence token's text")
+    pad_token: str | None = Field(description="the padding token's text")
+    chat_template: str | None = Field(description="the model's own Jinja chat template")
+    model_max_length: int = Field(ge=0, description="tokens a sequence may hold")
+
+
 class ModelCard(_Response):
     id: str
     object: Literal["model"]

@@ -44,6 +44,7 @@ from tokenmill.server.protocol import (
     SamplingFields,
     TokenizeBody,
     Tokenized,
+    TokenizerInfoBody,
 )
 from tokenmill.server.serving import Generation, Route, open_generation
 from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
@@ -194,6 +195,13 @@ async def tokenize(request: Request) -> Tokenized:
 async def detokenize(request: Request) -> Detokenized:
     body = await parse(request, DetokenizeBody)
     return await serving.detokenize(gateway_of(request).deployment(body.model), body)
+
+
+@router.get("/tokenizer_info", responses={**errors(400, 404, 503)})
+async def tokenizer_info(request: Request, model: str | None = None) -> TokenizerInfoBody:
+    # vLLM's route, where lm-evaluation-harness's remote tokenizer looks first: the
+    # single deployment's unless ``?model=`` names one, as ``/tokenize`` picks it.
+    return await serving.tokenizer_info(gateway_of(request).deployment(model))
 
 
 @router.post(

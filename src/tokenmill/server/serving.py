@@ -2,12 +2,14 @@
 
 Knows the OpenAI response formats; knows nothing of routes. ``open_generation``
 returns a :class:`Generation`; the router streams it as SSE (``events``) or awaits
-``collect`` for one JSON body. ``tokenize`` and ``detokenize`` answer vLLM's
-``/tokenize`` and ``/detokenize`` with the deployment's own tokenizer.
+``collect`` for one JSON body. ``tokenize``, ``detokenize`` and ``tokenizer_info``
+answer vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` with the
+deployment's own tokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -31,6 +33,7 @@ from tokenmill.server.protocol import (
     SamplingFields,
     TokenizeBody,
     Tokenized,
+    TokenizerInfoBody,
 )
 from tokenmill.server.sse import DONE, encode_event
 
@@ -340,3 +343,10 @@ async def tokenize(deployment: Deployment, body: TokenizeBody) -> Tokenized:
 async def detokenize(deployment: Deployment, body: DetokenizeBody) -> Detokenized:
     host = await deployment.any_host()
     return Detokenized(prompt=await host.detokenize(body.tokens))
+
+
+async def tokenizer_info(deployment: Deployment) -> TokenizerInfoBody:
+    """vLLM's ``/tokenizer_info``: what lm-evaluation-harness's remote tokenizer reads."""
+    host = await deployment.any_host()
+    info = await host.tokenizer_info()
+    return TokenizerInfoBody.model_validate(dataclasses.asdict(info))
