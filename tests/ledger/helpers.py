@@ -30,6 +30,13 @@ def admin(base_url: str) -> httpx.Client:
     )
 
 
+def user(base_url: str, key: str) -> httpx.Client:
+    """A client calling with an account's API key."""
+    return httpx.Client(
+        base_url=base_url, headers={"authorization": f"Bearer {key}"}, timeout=120.0
+    )
+
+
 def new_account(client: httpx.Client, name: str, balance: int) -> str:
     resp = client.post("/admin/accounts", json={"name": name, "balance": balance})
     assert resp.status_code == 200, resp.text

@@ -28,6 +28,7 @@ from tests.ledger.helpers import (
     new_account,
     new_key,
     receipt,
+    user,
 )
 from tests.server.test_bad_input import assert_error
 from tests.sse import events, to_done
@@ -79,18 +80,13 @@ def key(gw: ServerProcess) -> str:
 
 @pytest.fixture
 def http(gw: ServerProcess, key: str) -> Iterator[httpx.Client]:
-    headers = {"authorization": f"Bearer {key}"}
-    with httpx.Client(base_url=gw.url, headers=headers, timeout=120.0) as client:
+    with user(gw.url, key) as client:
         yield client
 
 
 @pytest.fixture
 def client(gw: ServerProcess, key: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
-
-
-def bearer(secret: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {secret}"}
 
 
 def ok(r: httpx.Response) -> dict[str, Any]:
@@ -214,7 +210,7 @@ def test_a_request_is_held_and_billed_for_all_its_choices(gw: ServerProcess) -> 
     with admin(gw.url) as adm:
         rich = new_account(adm, "rich", 10**9)
         _, secret = new_key(adm, rich)
-        with httpx.Client(base_url=gw.url, headers=bearer(secret), timeout=120) as u:
+        with user(gw.url, secret) as u:
             resp = u.post("/v1/chat/completions", json={**body, "n": 3})
             r = ok(resp)
             got = receipt(u, resp.headers["x-request-id"])
@@ -226,7 +222,7 @@ def test_a_request_is_held_and_billed_for_all_its_choices(gw: ServerProcess) -> 
         prompt = r["usage"]["prompt_tokens"]
         poor = new_account(adm, "poor", cost(PRICE, prompt, 5))
         _, secret = new_key(adm, poor)
-        with httpx.Client(base_url=gw.url, headers=bearer(secret), timeout=120) as u:
+        with user(gw.url, secret) as u:
             assert_error(u.post("/v1/chat/completions", json={**body, "n": 3}), 402)
             assert account(adm, poor)["balance"] == cost(PRICE, prompt, 5)
             ok(u.post("/v1/chat/completions", json=body))

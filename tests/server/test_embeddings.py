@@ -21,7 +21,16 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess, launch
-from tests.ledger.helpers import ADMIN_KEY, PRICE, account, admin, new_account, new_key, receipt
+from tests.ledger.helpers import (
+    ADMIN_KEY,
+    PRICE,
+    account,
+    admin,
+    new_account,
+    new_key,
+    receipt,
+    user,
+)
 from tests.server.test_bad_input import assert_error
 from tokenmill.gateway.metering import cost
 
@@ -78,8 +87,7 @@ def key(adm: httpx.Client) -> str:
 
 @pytest.fixture
 def http(gw: ServerProcess, key: str) -> Iterator[httpx.Client]:
-    headers = {"authorization": f"Bearer {key}"}
-    with httpx.Client(base_url=gw.url, headers=headers, timeout=120.0) as c:
+    with user(gw.url, key) as c:
         yield c
 
 
