@@ -960,6 +960,8 @@ def llama_server_section(
     tmp: Path,
 ) -> None:
     """tokenmill against llama-server (and tokenmill without metrics): fills ``results``."""
+    from tokenmill.engines.threads import extra_buffers_work
+
     model_mb = results["model_mb"]
     servers: list[Server] = []
     try:
@@ -971,6 +973,8 @@ def llama_server_section(
         ls_cmd = [str(binary), "-m", str(gguf), "-t", str(args.threads)]
         ls_cmd += ["-tb", str(args.threads), "-np", str(SLOTS), "-c", str(SLOTS * N_CTX)]
         ls_cmd += ["--host", "127.0.0.1", "--port", str(port)]
+        if not extra_buffers_work():  # as tokenmill loads the model (see threads.py)
+            ls_cmd.append("--no-repack")
         servers.append(Server("llama-server", ls_cmd, port, tmp / "llama-server.log"))
         if SLOTS in levels and not args.no_metrics_cost:
             port = free_port()

@@ -22,7 +22,7 @@ from tests.conftest import ServerProcess, free_port
 from tests.sse import events
 from tests.waiting import wait_until
 from tokenmill.bench import busy_loops
-from tokenmill.engines.threads import available_cpus
+from tokenmill.engines.threads import available_cpus, extra_buffers_work
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 64
@@ -54,6 +54,8 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cmd = [str(binary), "-m", str(embedded_model()), "-t", threads, "-tb", threads]
     cmd += ["-np", str(SLOTS), "-c", str(SLOTS * N_CTX), "--host", "127.0.0.1"]
     cmd += ["--port", str(port)]
+    if not extra_buffers_work():  # as tokenmill loads the model (see threads.py)
+        cmd.append("--no-repack")
     log_path = tmp_path_factory.mktemp("llama-server") / "llama-server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

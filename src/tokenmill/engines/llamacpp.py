@@ -59,7 +59,7 @@ from tokenmill.engines.sampling import build_sampler
 from tokenmill.engines.slots import Slot, apply_placement, plan_placement
 from tokenmill.engines.textstream import TextStream
 from tokenmill.engines.threads import ThreadTuner, available_cpus
-from tokenmill.engines.vocab import Vocab, init_backend
+from tokenmill.engines.vocab import Vocab, init_backend, model_params
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
 
 __all__ = ["LlamaCppEngine", "embedded_model_path"]
@@ -219,7 +219,7 @@ class LlamaCppEngine:
         if not path.is_file():
             raise EngineError(f"model file not found: {path}")
         init_backend()
-        mparams = ll.llama_model_default_params()
+        mparams = model_params()
         model = ll.llama_model_load_from_file(str(path).encode(), mparams)
         if not model:
             raise EngineError(f"llama.cpp could not load {path}")

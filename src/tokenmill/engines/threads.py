@@ -191,3 +191,28 @@ class ThreadTuner:
             self._interval = min(self._interval * 2, PROBE_INTERVAL_MAX_S)
             self._baseline[probe.n_tokens] = current_avg
         self._next_probe = now + self._interval
+
+
+def extra_buffers_work() -> bool:
+    """Whether llama.cpp's extra weight buffer types are safe to use on this CPU.
+
+    A native build (``GGML_NATIVE``, as pip compiles llama-cpp-python) on a CPU with
+    AMX puts the weights in AMX buffers, and with llama-cpp-python 0.3.36
+    ``llama_decode`` then crashes (SIGSEGV) on any batch of more than a few tokens:
+    seen on a Xeon with ``amx_int8`` (2026-12-03) for SmolLM2's Q4_1, in tokenmill and
+    in llama-cpp-python's own ``Llama`` alike. They are off there (llama-server's
+    ``--no-repack`` does the same); kept elsewhere, where weight repacking speeds up
+    Q4_0 prompts on AVX2 and AVX-512.
+    """
+    return not cpu_has_amx()
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_int8" in line.split()
+    except OSError:
+        pass
+    return False
