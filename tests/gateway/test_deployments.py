@@ -7,6 +7,7 @@ deployment that points at a second tokenmill: the session's default ``server``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 from collections.abc import Callable, Iterator
@@ -287,6 +288,36 @@ def test_upstream_gets_the_fields_it_supports_and_names_what_it_refuses(
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "logit_bias"
     assert "the upstream refused" in r.json()["error"]["message"]
+
+
+def test_upstream_is_sent_the_constraint_and_names_what_it_cannot_send(
+    client: httpx.Client,
+) -> None:
+    # The upstream is a tokenmill: it applies the response_format it is forwarded.
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}
+    body = {
+        "model": "remote",
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 20,
+        "temperature": 0,
+    }
+    r = client.post("/v1/chat/completions", json={**body, "response_format": rf})
+    assert r.status_code == 200, r.text
+    answer = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert answer["colour"] in {"red", "green", "blue"}
+    r = client.post("/v1/chat/completions", json={**body, "grammar": 'root ::= "yes" | "no"'})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] in {"yes", "no"}
+    # A regex has no field every OpenAI-compatible server reads: refused, not dropped.
+    r = client.post("/v1/chat/completions", json={**body, "guided_regex": "[0-9]+"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "guided_regex"
 
 
 def test_upstream_logprobs_come_back_as_the_upstream_sent_them(

@@ -23,7 +23,6 @@ ENDPOINTS = [
 ]
 # What a caller would really send; any other refused field gets an object it cannot mean.
 ASKS: dict[str, Any] = {
-    "response_format": {"type": "json_object"},
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "tool_choice": "required",
     "suffix": "the end",
@@ -75,9 +74,9 @@ def test_the_openai_sdk_sees_the_refused_parameter(server: ServerProcess) -> Non
             model="smollm2",
             messages=[{"role": "user", "content": "hi"}],  # typed as the SDK's params
             max_tokens=4,
-            response_format={"type": "json_object"},
+            reasoning_effort="high",
         )
-    assert caught.value.param == "response_format"
+    assert caught.value.param == "reasoning_effort"
     assert caught.value.code == "unsupported_parameter"
 
 

@@ -68,6 +68,41 @@ class SamplingParams:
     # The first chunk is the prompt: its text and, with ``logprobs``, its tokens'
     # (the first token's log probability is None: nothing came before it).
     echo: bool = False
+    # The output must match this grammar (structured outputs, tool calls).
+    constraint: Constraint | None = None
+
+
+ConstraintKind = Literal["json_object", "json_schema", "gbnf", "lark", "regex", "choice"]
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a generation's text must match. An engine that supports it masks each
+    sequence's logits before sampling so that only tokens the grammar allows can be
+    drawn, sequence by sequence inside its batch; one that cannot refuses it in
+    ``prepare`` (``InvalidRequestError`` naming ``param``), never ignores it.
+
+    ``kind`` and ``text``:
+
+    * ``json_object``: any JSON object (``text`` unused);
+    * ``json_schema``: ``text`` is a JSON Schema as JSON text; ``name`` is its name
+      (OpenAI's ``json_schema.name``, forwarded to an upstream);
+    * ``gbnf``: a llama.cpp GBNF grammar; ``lark``: a Lark grammar (llguidance's);
+    * ``regex``: a regular expression the whole output matches;
+    * ``choice``: a JSON list of strings, the output being exactly one of them.
+
+    A grammar the engine cannot compile is an ``InvalidRequestError`` naming
+    ``param``, the request field the constraint came from (``response_format``,
+    ``grammar``, ``tools``...). Generation ends (``stop``) when the grammar is
+    complete and allows nothing more, or at end-of-sequence once it is complete;
+    ``max_tokens`` cutting it short is ``length``, as always.
+    """
+
+    kind: ConstraintKind
+    text: str = ""
+    name: str = ""
+    strict: bool | None = None  # json_schema's ``strict``, forwarded to an upstream
+    param: str = "response_format"
 
 
 @dataclass(frozen=True, slots=True)

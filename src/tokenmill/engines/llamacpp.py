@@ -52,6 +52,7 @@ from tokenmill.engines.base import (
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
+from tokenmill.engines.grammar import GrammarCache, SequenceGrammar
 from tokenmill.engines.llama_embed import Embedder
 from tokenmill.engines.logits import LogitRow
 from tokenmill.engines.logprobs import TokenAligner, finite
@@ -102,6 +103,8 @@ class _Sequence:
     # With echo and logprobs: (log probability, alternatives) of prompt tokens 1..n-1,
     # read from logits of every prompt row (see ``_step``); None: not collected.
     prompt_logprobs: list[tuple[float, tuple[TopLogprob, ...]]] | None = None
+    # The constraint's state (structured outputs): masks the logits before sampling.
+    grammar: SequenceGrammar | None = None
 
 
 @dataclass(slots=True)
@@ -173,6 +176,8 @@ class LlamaCppEngine:
         self._failed: BaseException | None = None
         # Embedding requests (a second context, see llama_embed.py), made at load.
         self._embedder: Embedder | None = None
+        # Compiled grammars of constrained requests (see grammar.py), made on first use.
+        self._grammars: GrammarCache | None = None
 
     @classmethod
     def from_config(cls, config: LlamaCppDeployment) -> LlamaCppEngine:
@@ -280,6 +285,11 @@ class LlamaCppEngine:
         if self._vocab is None:
             await self.start()
         prompts = self._prompts(request)
+        constraint = request.sampling.constraint
+        if constraint is not None:
+            # Compiling a large grammar takes a while: not on the event loop, and
+            # checked here so that a bad one is a 400 before anything is held.
+            await asyncio.to_thread(self._grammar_cache().compile, constraint)
         self._prepared.put(request.request_id, prompts)
         return PromptInfo(
             prompt_tokens=sum(map(len, prompts)),
@@ -325,6 +335,13 @@ class LlamaCppEngine:
                     param="max_tokens",
                 )
         return prompts
+
+    def _grammar_cache(self) -> GrammarCache:
+        if self._grammars is None:
+            vocab = self.vocab
+            eog = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)]
+            self._grammars = GrammarCache(vocab.handle, vocab.n_tokens, eog)
+        return self._grammars
 
     def _prompt_item(self, item: str | Sequence[int]) -> list[int]:
         if isinstance(item, str):
@@ -392,6 +409,7 @@ class LlamaCppEngine:
             prompts = self._prompts(request)
         rid, base = request.request_id, request.sampling
         echo, logprobs = base.echo, base.logprobs is not None
+        grammars = None if base.constraint is None else self._grammar_cache()
         members: list[_Sequence] = []
         group = _Group(rid, members, sum(map(len, prompts)))
         for tokens in prompts:
@@ -414,6 +432,9 @@ class LlamaCppEngine:
                     echo_pending=echo,
                     # A follower takes its leader's (see _start_follower).
                     prompt_logprobs=[] if echo and logprobs and leader is None else None,
+                    grammar=None
+                    if grammars is None or base.constraint is None
+                    else grammars.start(base.constraint),
                 )
                 if leader is None:
                     leader = seq
@@ -723,11 +744,20 @@ class LlamaCppEngine:
         if seq.echo_pending:
             seq.echo_pending = False
             events.append((seq, self._echo(seq)))
+        grammar = seq.grammar
+        if grammar is not None and not grammar.mask(self._logits(idx)):
+            log.warning("request %s: grammar failed: %s", seq.request_id, grammar.error)
+            self._finish(seq, "stop", events)
+            return
         token = ll.llama_sampler_sample(seq.sampler, self._ctx, idx)
         if seq.n_past > len(seq.prompt) or seq.generated > 0:
             # the previous sampled token is now in the KV cache
             self._slots[seq.slot].tokens.append(seq.last_token)
         if not seq.sampling.ignore_eos and vocab.is_eog(token):
+            self._finish(seq, "stop", events)
+            return
+        if grammar is not None and not grammar.consume(token):
+            log.warning("request %s: grammar refused a token: %s", seq.request_id, grammar.error)
             self._finish(seq, "stop", events)
             return
         seq.generated += 1
@@ -741,7 +771,9 @@ class LlamaCppEngine:
             top = self._top(logprobs, seq.sampling.logprobs or 0)
             stream = seq.stream
             seq.aligner.add(piece, logprobs.logprob(token), top, stream.decoded, stream.partial)
-        if seq.stream.stopped:
+        if seq.stream.stopped or (grammar is not None and grammar.done):
+            # (A complete grammar that allows nothing more is the end of the answer,
+            # even at max_tokens: the output is whole.)
             self._finish(seq, "stop", events, text)
         elif seq.generated >= seq.sampling.max_tokens or (
             len(seq.prompt) + seq.generated >= self.n_ctx_seq
@@ -773,9 +805,12 @@ class LlamaCppEngine:
 
     def _logit_row(self, idx: int) -> LogitRow:
         """The raw logits at batch output ``idx`` (copied), for log probabilities."""
+        return LogitRow(self._logits(idx))
+
+    def _logits(self, idx: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """The logits at batch output ``idx``: a view of llama.cpp's own buffer."""
         n_vocab = self.vocab.n_tokens
-        raw = np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, idx), shape=(n_vocab,))
-        return LogitRow(raw)
+        return np.ctypeslib.as_array(ll.llama_get_logits_ith(self._ctx, idx), shape=(n_vocab,))
 
     def _top(self, row: LogitRow, k: int) -> tuple[TopLogprob, ...]:
         if k <= 0:

@@ -176,6 +176,8 @@ class ScriptedEngine:
         refuse_choices(request, "the scripted engine")
         if request.sampling.echo:
             raise InvalidRequestError("the scripted engine does not echo", param="echo")
+        if (c := request.sampling.constraint) is not None:
+            raise InvalidRequestError("the scripted engine follows no grammar", param=c.param)
         n_prompt = count_words(prompt_text(request))
         if n_prompt == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")

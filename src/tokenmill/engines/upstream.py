@@ -39,6 +39,7 @@ import httpx
 from tokenmill.config import UpstreamDeployment
 from tokenmill.engines.base import (
     Chunk,
+    Constraint,
     EngineHealth,
     FinishReason,
     GenerationRequest,
@@ -178,6 +179,14 @@ class UpstreamEngine:
                 "prompt; leave 'echo' out or pick a llamacpp model",
                 param="echo",
             )
+        constraint = request.sampling.constraint
+        if constraint is not None and constraint.kind not in FORWARDED_CONSTRAINTS:
+            raise InvalidRequestError(
+                f"deployment {self.config.id!r} proxies another server, which is sent "
+                "response_format (JSON) and grammar (GBNF) constraints only; use one of "
+                "those or pick a llamacpp model",
+                param=constraint.param,
+            )
         if self._client is None:
             await self.start()
         n = await self._count_prompt(request)
@@ -263,6 +272,8 @@ class UpstreamEngine:
         # OpenAI's own fields: an upstream that lacks one refuses it, naming it.
         if s.logit_bias:
             body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+        if s.constraint is not None:
+            body.update(constraint_fields(s.constraint))
         if request.messages is not None:
             body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
             if s.logprobs is not None:
@@ -455,3 +466,20 @@ def _choice_text(choice: dict[str, Any]) -> str:
     if isinstance(delta, dict):
         return str(delta.get("content") or "")
     return str(choice.get("text") or "")
+
+
+# Constraints an upstream is sent: OpenAI's response_format, and llama-server's (and
+# vLLM's) GBNF ``grammar``.
+FORWARDED_CONSTRAINTS = frozenset({"json_object", "json_schema", "gbnf"})
+
+
+def constraint_fields(c: Constraint) -> dict[str, Any]:
+    """The request fields that ask an upstream for constraint ``c``."""
+    if c.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if c.kind == "json_schema":
+        spec: dict[str, Any] = {"name": c.name or "output", "schema": json.loads(c.text)}
+        if c.strict is not None:
+            spec["strict"] = c.strict
+        return {"response_format": {"type": "json_schema", "json_schema": spec}}
+    return {"grammar": c.text}

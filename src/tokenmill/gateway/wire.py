@@ -29,6 +29,7 @@ from tokenmill import errors
 from tokenmill.engines.base import (
     ChatMessage,
     Chunk,
+    Constraint,
     GenerationRequest,
     SamplingParams,
     TokenizeRequest,
@@ -125,6 +126,8 @@ def decode_request(d: dict[str, Any]) -> GenerationRequest:
     s = dict(d["s"])
     s["stop"] = tuple(s["stop"])
     s["logit_bias"] = tuple((int(t), float(b)) for t, b in s["logit_bias"])
+    constraint = s.get("constraint")
+    s["constraint"] = None if constraint is None else Constraint(**constraint)
     messages = d["m"]
     tokens = d.get("k")
     prompts = d.get("ps")

@@ -23,6 +23,7 @@ from pydantic import (
 
 from tokenmill.engines.base import ChatMessage, SamplingParams
 from tokenmill.server.refused import RefusedFields
+from tokenmill.server.structured import StructuredFields
 
 # A stop list longer than this is almost certainly a client bug, and each stop string
 # is checked on every token.
@@ -93,7 +94,7 @@ class Message(BaseModel):
         return ChatMessage(role=role, content=text)
 
 
-class SamplingFields(RefusedFields):
+class SamplingFields(StructuredFields, RefusedFields):
     """The sampling fields shared by every generation endpoint.
 
     The fields tokenmill does not implement are refused by name (see ``refused``).
@@ -204,6 +205,7 @@ class SamplingFields(RefusedFields):
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             logprobs=self.logprob_alternatives(),
             echo=self.echoes(),
+            constraint=self.constraint(),
         )
 
     def echoes(self) -> bool:

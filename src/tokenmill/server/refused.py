@@ -75,7 +75,6 @@ REFUSED: dict[str, Refused] = {
     "echo": Refused("echoing the prompt outside /v1/completions", (False,)),
     "best_of": Refused("best-of sampling", (1,)),
     "suffix": Refused("insertion (a suffix)", ("",)),
-    "response_format": Refused("structured output", ({"type": "text"},)),
     "tools": Refused("tool calling", ([],)),
     "tool_choice": Refused("tool calling", ("none", "auto")),
     "functions": Refused("function calling", ([],)),
@@ -86,13 +85,6 @@ REFUSED: dict[str, Refused] = {
     "verbosity": Refused("verbosity", ()),
     "web_search_options": Refused("web search", ()),
     # vLLM's and llama-server's extensions of the API.
-    "guided_json": Refused("structured output", ()),
-    "guided_regex": Refused("structured output", ()),
-    "guided_choice": Refused("structured output", ()),
-    "guided_grammar": Refused("structured output", ()),
-    "structured_outputs": Refused("structured output", ()),
-    "grammar": Refused("grammars", ("",)),
-    "json_schema": Refused("structured output", ()),
     "min_tokens": Refused("a minimum length", (0,)),
     "stop_token_ids": Refused("stop token ids", ([],)),
     "bad_words": Refused("banned words", ([],)),
@@ -143,7 +135,6 @@ class RefusedFields(BaseModel):
     echo: Any = _refused_field("echo")
     best_of: Any = _refused_field("best_of")
     suffix: Any = _refused_field("suffix")
-    response_format: Any = _refused_field("response_format")
     tools: Any = _refused_field("tools")
     tool_choice: Any = _refused_field("tool_choice")
     functions: Any = _refused_field("functions")
@@ -153,13 +144,6 @@ class RefusedFields(BaseModel):
     reasoning_effort: Any = _refused_field("reasoning_effort")
     verbosity: Any = _refused_field("verbosity")
     web_search_options: Any = _refused_field("web_search_options")
-    guided_json: Any = _refused_field("guided_json")
-    guided_regex: Any = _refused_field("guided_regex")
-    guided_choice: Any = _refused_field("guided_choice")
-    guided_grammar: Any = _refused_field("guided_grammar")
-    structured_outputs: Any = _refused_field("structured_outputs")
-    grammar: Any = _refused_field("grammar")
-    json_schema: Any = _refused_field("json_schema")
     min_tokens: Any = _refused_field("min_tokens")
     stop_token_ids: Any = _refused_field("stop_token_ids")
     bad_words: Any = _refused_field("bad_words")

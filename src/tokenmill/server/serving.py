@@ -36,6 +36,7 @@ from tokenmill.server.protocol import (
     TokenizerInfoBody,
 )
 from tokenmill.server.sse import DONE, encode_event
+from tokenmill.server.structured import instruct
 
 Route = Literal["chat", "completion"]
 
@@ -298,12 +299,15 @@ async def open_generation(
     if route == "chat" and messages is None:
         assert prompt is not None
         messages, prompt = [Message(role="user", content=prompt)], None
+    sampling = body.sampling_params(body.max_tokens or 0)
     chat = None
     if messages is not None:
         chat = tuple(m.to_chat_message() for m in messages)
+        if sampling.constraint is not None:
+            chat = instruct(chat, sampling.constraint)
     request = GenerationRequest(
         request_id=request_id,
-        sampling=body.sampling_params(body.max_tokens or 0),
+        sampling=sampling,
         prompt=prompt,
         prompt_tokens=prompt_tokens,
         prompts=prompts,
