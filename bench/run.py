@@ -47,6 +47,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from firsttoken import (
+    FIRST_TURN_TOKENS,
+    log_size,
+    read_stages,
+    second_turn,
+    stage_lines,
+    stage_summary,
+)
 from probes import (
     HEALTH_TARGET_MS,
     HealthProbe,
@@ -369,6 +377,13 @@ def table(results: dict[str, Any]) -> str:
                 f"runs {tm['tok_s_runs']} / {ls['tok_s_runs']}  "
                 f"errors {tm['errors']}/{ls['errors']}"
             )
+    first = results["summary"].get("1", {}).get("first_token_stages")
+    if first:
+        rows.append("")
+        rows += stage_lines("1", first)
+    turns = results.get("second_turn")
+    if turns:
+        rows += second_turn_lines(turns)
     ceil = results.get("ceiling")
     if ceil:
         rows.append(
@@ -376,6 +391,14 @@ def table(results: dict[str, Any]) -> str:
             f"1 seq {ceil['1']['tok_s']:.1f} tok/s {ceil['1']['runs']}, "
             f"{SLOTS} seqs {ceil[str(SLOTS)]['tok_s']:.1f} tok/s {ceil[str(SLOTS)]['runs']}"
         )
+        for c in ("1", str(SLOTS)):
+            row = results["summary"].get(c)
+            if row and ceil[c]["tok_s"]:
+                rows.append(
+                    f"  c={c:<3} tok/s / ceiling: tokenmill "
+                    f"{row['tokenmill']['tok_s'] / ceil[c]['tok_s']:.3f}, llama-server "
+                    f"{row['llama-server']['tok_s'] / ceil[c]['tok_s']:.3f}"
+                )
     cost = results.get("metrics_cost")
     if cost:
         rows.append(
@@ -416,6 +439,79 @@ def table(results: dict[str, Any]) -> str:
         rows.append("  self time:")
         rows += [f"    {p:5.1f}%  {n}" for n, p in prof["self"][:12]]
     return "\n".join(rows)
+
+
+def second_turn_runs(tm: Server, ls: Server, args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Two-turn chats at c=1 against tokenmill and llama-server in turn (who goes first
+    alternating), the same conversations on each: fills ``out`` as they complete."""
+    runs: dict[str, list[dict[str, Any]]] = out.setdefault("runs", {tm.name: [], ls.name: []})
+    for rep in range(args.reps):
+        order = (tm, ls) if rep % 2 == 0 else (ls, tm)
+        for s in order:
+            for k in range(args.second_turns):
+                result = second_turn(s.url, s.model, rep * args.second_turns + k, SAMPLING)
+                runs[s.name].append(result)
+        log(
+            f"second turn rep {rep + 1}/{args.reps}: TTFT ms "
+            + "  ".join(
+                f"{s.name} {[r['ttft2_ms'] for r in runs[s.name][-args.second_turns :]]}"
+                for s in (tm, ls)
+            )
+        )
+    out["summary"] = {
+        name: {
+            "ttft1_p50_ms": statistics.median(r["ttft1_ms"] for r in rs),
+            "ttft2_p50_ms": statistics.median(r["ttft2_ms"] for r in rs),
+            "cached2_p50": statistics.median(r["cached2"] or 0 for r in rs),
+            "prompt2_p50": statistics.median(r["prompt2"] or 0 for r in rs),
+        }
+        for name, rs in runs.items()
+        if rs
+    }
+
+
+def second_turn_lines(turns: dict[str, Any]) -> list[str]:
+    summary = turns.get("summary") or {}
+    tm, ls = summary.get("tokenmill"), summary.get("llama-server")
+    if not tm or not ls:
+        return []
+    return [
+        f"\nsecond turn of a chat at c=1 (system prompt, a first exchange of "
+        f"{turns['first_turn_tokens']} tokens, one new user message; llama-server with "
+        f"cache_prompt), {len(turns['runs']['tokenmill'])} conversations each, p50:",
+        f"  TTFT turn 2 tokenmill {tm['ttft2_p50_ms']:.1f} ms, llama-server "
+        f"{ls['ttft2_p50_ms']:.1f} ms (diff {tm['ttft2_p50_ms'] - ls['ttft2_p50_ms']:+.1f} ms); "
+        f"turn 1 {tm['ttft1_p50_ms']:.1f} / {ls['ttft1_p50_ms']:.1f} ms",
+        f"  turn 2 prompt tokens {tm['prompt2_p50']:.0f} / {ls['prompt2_p50']:.0f}, cached "
+        f"{tm['cached2_p50']:.0f} / {ls['cached2_p50']:.0f}",
+    ]
+
+
+def first_token_targets(results: dict[str, Any]) -> list[str]:
+    """Issue #16's: one stream's TTFT and speed, and a chat's second turn."""
+    out = []
+    s1 = results["summary"].get("1")
+    if s1:
+        d = s1["ttft_p50_diff_ms"]
+        out.append(
+            f"{'PASS' if d <= 2.0 else 'MISS'} c=1 TTFT p50 {d:+.1f} ms vs llama-server "
+            "(target <= +2 ms)"
+        )
+        ceil = (results.get("ceiling") or {}).get("1", {}).get("tok_s")
+        if ceil:
+            r = s1["tokenmill"]["tok_s"] / ceil
+            out.append(
+                f"{'PASS' if r >= 0.97 else 'MISS'} c=1 tok/s {r:.3f} of the in-process "
+                "ceiling (target >= 0.97)"
+            )
+    summary = (results.get("second_turn") or {}).get("summary") or {}
+    if "tokenmill" in summary and "llama-server" in summary:
+        tm, ls = summary["tokenmill"]["ttft2_p50_ms"], summary["llama-server"]["ttft2_p50_ms"]
+        out.append(
+            f"{'PASS' if tm < ls else 'MISS'} second turn TTFT p50 {tm:.1f} ms vs "
+            f"llama-server {ls:.1f} ms (target: lower)"
+        )
+    return out
 
 
 def targets(
@@ -489,6 +585,9 @@ def summarize(
         row["tok_s_ratio"] = round(tm["tok_s"] / ls["tok_s"], 3) if ls["tok_s"] else 0.0
         row["ttft_p50_ratio"] = round(tm["ttft_p50_ms"] / ls["ttft_p50_ms"], 3)
         row["ttft_p50_diff_ms"] = round(tm["ttft_p50_ms"] - ls["ttft_p50_ms"], 2)
+        stages = stage_summary(runs[name][c], tm["ttft_p50_ms"], ls["ttft_p50_ms"])
+        if stages is not None:
+            row["first_token_stages"] = stages
         summary[str(c)] = row
     return summary
 
@@ -611,13 +710,23 @@ def cpu_per_token(
 def one_run(
     s: Server, c: int, max_tokens: int, busy: int = 0, top_logprobs: int | None = None
 ) -> dict[str, Any]:
-    """One ``tokenmill bench`` run against ``s``, with the CPU it cost per token."""
+    """One ``tokenmill bench`` run against ``s``, with the CPU it cost per token (and
+    for tokenmill, its requests' first-token stages from its log)."""
+    offset = log_size(s.log_path)
     before, client_before = cpu_split(s.proc.pid, s.cpu_groups), client_cpu_seconds()
     report = run_bench(s, c, max_tokens, busy, top_logprobs)
     after = cpu_split(s.proc.pid, s.cpu_groups)
     report["cpu_ms_per_token"] = cpu_per_token(
         before, after, client_cpu_seconds() - client_before, report
     )
+    if s.name.startswith("tokenmill"):
+        # A request's line is logged once it is settled, just after its [DONE].
+        deadline = time.monotonic() + 2.0
+        stages = read_stages(s.log_path, offset)
+        while len(stages) < report["completed"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            stages = read_stages(s.log_path, offset)
+        report["stages_ms"] = stages
     return report
 
 
@@ -992,8 +1101,11 @@ def llama_server_section(
         mem: dict[str, dict[str, float]] = {s.name: {} for s in servers}
         health: list[HealthProbe] = []
         contended: dict[str, dict[int, list[dict[str, Any]]]] = {s.name: {} for s in servers[:2]}
+        turns: dict[str, Any] = {"first_turn_tokens": FIRST_TURN_TOKENS}
         try:
             measure(servers, levels, args, runs, mem, health)
+            if args.second_turns > 0:
+                second_turn_runs(servers[0], servers[1], args, turns)
             if args.busy > 0:
                 measure_contended(servers, args, contended)
         except KeyboardInterrupt:
@@ -1005,6 +1117,8 @@ def llama_server_section(
         results["runs"] = {
             name: {str(c): r for c, r in by_c.items()} for name, by_c in runs.items()
         }
+        if turns.get("summary"):
+            results["second_turn"] = turns
         results["summary"] = summarize(runs)
         results["busy"] = args.busy
         results["contended_runs"] = {
@@ -1034,6 +1148,7 @@ def llama_server_section(
         results["targets"] = targets(
             results["summary"], results["memory"], results.get("health"), results["contended"]
         ) + logprobs_target(results["logprobs_cost"])
+        results["targets"] += first_token_targets(results)
         if not args.no_profile and not results.get("interrupted"):
             tm_server = servers[0]
             if py_spy() is None:
@@ -1088,6 +1203,13 @@ def main() -> int:
         action="store_true",
         help=f"only tokenmill's c={SLOTS} runs with and without logprobs (top {LOGPROBS_TOP}), "
         "interleaved on one server",
+    )
+    parser.add_argument(
+        "--second-turns",
+        type=int,
+        default=4,
+        help="two-turn chats per server and repetition at c=1, for the second turn's TTFT "
+        "against llama-server's prompt cache (0: skip them)",
     )
     parser.add_argument("--ceiling-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kv-child", type=Path, help=argparse.SUPPRESS)

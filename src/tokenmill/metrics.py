@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenmill import stages
 from tokenmill.gateway.core import Gateway, RequestRecord
 
 log = logging.getLogger("tokenmill.metrics")
@@ -40,6 +41,11 @@ ITL_BUCKETS = (
 LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# The stages of a first token (tokenmill.stages): tens of microseconds to a prefill.
+STAGE_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5, 10.0,
 )  # fmt: skip
 QUEUE_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -92,6 +98,15 @@ class GatewayMetrics:
             buckets=QUEUE_BUCKETS,
             registry=r,
         )
+        self.stage = Histogram(
+            "tokenmill_first_token_stage_seconds",
+            "Time a request's first token spent in each stage of its way, from the "
+            "request's first byte to the token's SSE event written (tokenmill.stages).",
+            ["deployment", "stage"],
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self._stages: dict[tuple[str, str], Histogram] = {}
         # prometheus_client appends the ``_total`` suffix to counters itself.
         self.prompt = Counter(
             "tokenmill_prompt_tokens",
@@ -183,6 +198,12 @@ class GatewayMetrics:
         b.e2e.observe(record.duration_s)
         if record.ttft_s is not None:
             b.ttft.observe(record.ttft_s)
+            for name, seconds in stages.durations(record.marks).items():
+                key = (record.deployment, name)
+                child = self._stages.get(key)
+                if child is None:
+                    child = self._stages[key] = self.stage.labels(*key)
+                child.observe(seconds)
         if record.status == "error":
             self.errors.labels(record.deployment, record.error_code or "engine_error").inc()
         else:

@@ -35,6 +35,7 @@ class ChunkStream:
         "_queue",
         "_read_final",
         "error",
+        "marks",
         "request_id",
         "tokens",
         "usage",
@@ -50,6 +51,8 @@ class ChunkStream:
         self.tokens = 0  # completion tokens produced (the highest ``Chunk.tokens`` seen)
         self.usage: Usage | None = None  # the final chunk's usage
         self.error: BaseException | None = None  # the final item, when it is an error
+        # The producer's marks of the first token's way (see tokenmill.stages), if any.
+        self.marks: dict[str, float] | None = None
 
     # -- producer side (on the event loop) ------------------------------------------
 

@@ -33,6 +33,7 @@ from typing import Any
 import llama_cpp as ll
 import numpy as np
 
+from tokenmill import stages
 from tokenmill.config import LlamaCppDeployment
 from tokenmill.engines.base import (
     Chunk,
@@ -116,6 +117,8 @@ class _Group:
     prompt_tokens: int  # every prompt, each counted once
     generated: int = 0  # completion tokens of all its choices
     open: int = 0  # choices not finished yet
+    # Monotonic times it was queued and taken by the decode loop (tokenmill.stages).
+    marks: list[float] = field(default_factory=list)
 
     def usage(self) -> Usage:
         cached = sum(m.cached for m in self.members)
@@ -168,6 +171,10 @@ class LlamaCppEngine:
         self.tokens_generated = 0
         self.steps = 0
         self.kv_copies = 0  # prefixes copied from another slot (see _assign)
+        # Request id -> the marks of its first token (queued, picked, decoded, sampled:
+        # tokenmill.stages), until the sink sends them with the token.
+        self.first_marks: dict[str, tuple[float, ...]] = {}
+        self._decoded_at = 0.0  # when the last llama_decode returned
         self._decoding_since: float | None = None  # set while llama_decode runs
         # Receives every step's chunks on the decode thread: by default it hands them to
         # the streams of generate() on the event loop; a replica process sets its own.
@@ -442,6 +449,7 @@ class LlamaCppEngine:
                     leader.followers.append(seq)
                 members.append(seq)
         group.open = len(members)
+        group.marks.append(time.monotonic())
         with self._cv:
             if self._failed is not None:
                 raise EngineError(f"the engine failed: {self._failed}")
@@ -484,11 +492,14 @@ class LlamaCppEngine:
         if loop is None or loop.is_closed():
             return
         streams = self._streams
+        first = stages.take_first(self.first_marks, (rid for rid, _ in events))
 
         def deliver() -> None:
             for rid, item in events:
                 stream = streams.get(rid)
                 if stream is not None:
+                    if first is not None and rid in first:
+                        stream.marks = stages.received(first[rid], time.monotonic())
                     stream.put(item)
                     if stream.ended:
                         del streams[rid]
@@ -600,6 +611,7 @@ class LlamaCppEngine:
         free = sum(1 for s in self._slots if s.seq is None)
         while self._inbox and free >= len(self._inbox[0].members):
             group = self._inbox.popleft()
+            group.marks.append(time.monotonic())
             self._groups[group.request_id] = group
             admitted.extend(group.members)
             free -= len(group.members)
@@ -708,10 +720,11 @@ class LlamaCppEngine:
             rc = ll.llama_decode(self._ctx, batch)
         finally:
             self._decoding_since = None
+        self._decoded_at = time.monotonic()
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         if tuner is not None:
-            tuner.observe(threads, n, time.monotonic() - started)
+            tuner.observe(threads, n, self._decoded_at - started)
         self.steps += 1
         for seq, idx in prompt_rows:
             assert seq.prompt_logprobs is not None
@@ -767,6 +780,12 @@ class LlamaCppEngine:
         seq.n_past = len(seq.prompt) + seq.generated - 1
         piece = vocab.piece(token)
         text = seq.stream.feed(piece)
+        if group.generated == 1:  # the request's first token
+            self.first_marks[group.request_id] = (
+                *group.marks,
+                self._decoded_at,
+                time.monotonic(),
+            )
         if seq.aligner is not None and logprobs is not None:
             top = self._top(logprobs, seq.sampling.logprobs or 0)
             stream = seq.stream

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from tokenmill import stages
 from tokenmill.config import Settings
 from tokenmill.engines.base import Chunk, GenerationRequest, Usage
 from tokenmill.engines.chunks import ChunkStream
@@ -75,6 +76,8 @@ class RequestRecord:
     queue_s: float = 0.0
     ttft_s: float | None = None
     duration_s: float = 0.0
+    # Monotonic marks along the first token's path (see tokenmill.stages).
+    marks: stages.Marks = field(default_factory=dict)
 
 
 class Observer(Protocol):
@@ -121,11 +124,15 @@ class RequestStream:
         rec = self.record
         observers = self._gateway.observers
         try:
-            self._engine_stream = self._replica.host.generate(self.request)
-            async for chunk in self._engine_stream:
+            # Before the frame leaves: the replica may take it up at once.
+            rec.marks["dispatched"] = time.monotonic()
+            self._engine_stream = stream = self._replica.host.generate(self.request)
+            async for chunk in stream:
                 now = time.monotonic()
                 if rec.ttft_s is None and (chunk.text or chunk.finish_reason):
                     rec.ttft_s = now - rec.started
+                    if stream.marks is not None:  # the replica's own
+                        rec.marks.update(stream.marks)
                 if chunk.tokens > rec.completion_tokens:
                     rec.completion_tokens = chunk.tokens
                 if chunk.usage is not None:
@@ -140,6 +147,9 @@ class RequestStream:
                     for o in observers:
                         o.on_tokens(rec, now)
                 yield chunk
+                if "written" not in rec.marks and rec.ttft_s is not None:
+                    # The reader asks for more: the first token went out (to the socket).
+                    rec.marks["written"] = time.monotonic()
                 if chunk.finish_reason is not None:
                     return
             if self.cut_at_shutdown:
@@ -308,6 +318,11 @@ class Gateway:
     ) -> RequestStream:
         """Admit, count the prompt, hold credit, pick a replica. Raises before streaming."""
         record = RequestRecord(request.request_id, deployment.id, caller)
+        marks = stages.current()
+        if marks is not None:  # the HTTP request's, with its marks so far
+            record.marks = marks
+        else:
+            marks = record.marks
         try:
             self.check_admits(caller, "generate")
             weight = request.choices
@@ -322,12 +337,14 @@ class Gateway:
         except BaseException as e:
             self._refused(record, e)
             raise
+        marks["admitted"] = time.monotonic()
         record.queue_s = queue_s
         replica: Replica | None = None
         hold: HoldRequest | None = None
         try:
             replica = await deployment.pick(weight)
             info = await replica.host.prepare(request)
+            marks["prepared"] = time.monotonic()
             record.prompt_tokens = info.prompt_tokens
             max_tokens = request.sampling.max_tokens
             if max_tokens <= 0:  # not given: the rest of the context window
@@ -346,6 +363,7 @@ class Gateway:
                 amount=cost(deployment.config.price, info.prompt_tokens, max_tokens * weight),
             )
             await self.meter.hold(hold)
+            marks["held"] = time.monotonic()
         except BaseException as e:
             if replica is not None:
                 deployment.release(replica, weight)
@@ -434,6 +452,10 @@ class Gateway:
                     "ttft_ms": None if record.ttft_s is None else round(record.ttft_s * 1000, 1),
                     "duration_ms": round((time.monotonic() - record.started) * 1000, 1),
                     "queue_ms": round(record.queue_s * 1000, 1),
+                    # Where the first token's time went, stage by stage (tokenmill.stages).
+                    "stages_ms": None
+                    if record.ttft_s is None
+                    else {k: round(v * 1000, 3) for k, v in stages.durations(record.marks).items()},
                     "finish_reason": record.finish_reason,
                     "status": record.status,
                     "error_code": record.error_code,

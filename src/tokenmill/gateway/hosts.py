@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from tokenmill import stages
 from tokenmill.engines.base import (
     Engine,
     EngineHealth,
@@ -167,7 +168,10 @@ class LocalHost:
             self._set("unloaded")
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
-        return await self.engine.prepare(request)
+        stages.mark("prepare_start")
+        info = await self.engine.prepare(request)
+        stages.mark("prepare_end")
+        return info
 
     def generate(self, request: GenerationRequest) -> ChunkStream:
         return self.engine.generate(request)

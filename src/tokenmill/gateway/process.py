@@ -32,6 +32,9 @@ log = logging.getLogger("tokenmill.gateway.process")
 class ProcessChannel:
     """A child process and its end of the socket pair."""
 
+    # The child's time.monotonic() is the same clock as ours (tokenmill.stages).
+    same_clock = True
+
     def __init__(
         self,
         proc: asyncio.subprocess.Process,

@@ -32,9 +32,11 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from tokenmill import stages
 from tokenmill.engines import Engine
 from tokenmill.engines.base import (
     Chunk,
@@ -175,6 +177,7 @@ class Runner:
                 last = s
 
     async def prepare(self, req: GenerationRequest) -> None:
+        started = time.monotonic()
         try:
             info = await self.engine.prepare(req)
         except Exception as e:
@@ -186,6 +189,8 @@ class Runner:
                 "id": req.request_id,
                 "prompt_tokens": info.prompt_tokens,
                 "context_length": info.context_length,
+                # When the work began and ended (tokenmill.stages).
+                "t": [started, time.monotonic()],
             }
         )
 
@@ -255,13 +260,23 @@ class Runner:
             self.out.send({"op": "error", "id": rid, "error": encode_error(e)})
 
 
-def step_sink(out: FrameOut) -> StepSink:
-    """The engine's step sink: one ``chunks`` frame per step, then any errors."""
+def step_sink(out: FrameOut, first_marks: dict[str, tuple[float, ...]] | None = None) -> StepSink:
+    """The engine's step sink: one ``chunks`` frame per step, then any errors.
+
+    ``first_marks`` is the engine's (request id -> marks of its first token): a frame
+    carrying a request's first token carries them too, as ``t`` (tokenmill.stages).
+    """
 
     def sink(events: list[tuple[str, Chunk | BaseException]]) -> None:
         rows = [chunk_row(rid, item) for rid, item in events if isinstance(item, Chunk)]
+        marks = None
+        if first_marks:  # taken with any event of theirs, so that none is left behind
+            marks = stages.take_first(first_marks, (rid for rid, _ in events))
         if rows:
-            out.send({"op": "chunks", "c": rows})
+            frame: dict[str, Any] = {"op": "chunks", "c": rows}
+            if marks is not None:
+                frame["t"] = marks
+            out.send(frame)
         for rid, item in events:
             if not isinstance(item, Chunk):
                 out.send({"op": "error", "id": rid, "error": encode_error(item)})
@@ -291,7 +306,7 @@ async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> 
     runner = Runner(engine, out)
     stepped = engine if isinstance(engine, SteppedEngine) else None
     if stepped is not None:
-        stepped.set_step_sink(step_sink(frames))
+        stepped.set_step_sink(step_sink(frames, getattr(stepped, "first_marks", None)))
     out.send({"op": "ready", "status": runner.status()})
     status_task = asyncio.create_task(runner.push_status())
     try:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tokenmill import stages
 from tokenmill.engines.base import (
     EngineHealth,
     GenerationRequest,
@@ -297,6 +298,8 @@ class SupervisedHost:
 
     async def _read_loop(self, current: _Incarnation) -> None:
         streams = current.streams
+        # A replica's monotonic marks line up with ours only on the same host's clock.
+        clock = getattr(current.channel, "same_clock", False)
         try:
             while True:
                 msg = await current.channel.receive()
@@ -305,6 +308,14 @@ class SupervisedHost:
                 current.answered = time.monotonic()
                 op = msg["op"]
                 if op == "chunks":
+                    marks = msg.get("t")
+                    if marks is not None and clock:
+                        # The replica's marks of first tokens, before the chunks end
+                        # (and remove) their streams.
+                        for rid, values in marks.items():
+                            stream = streams.get(rid)
+                            if stream is not None:
+                                stream.marks = stages.received(values, current.answered)
                     for row in msg["c"]:
                         rid, chunk = decode_chunk_row(row)
                         stream = streams.get(rid)
@@ -367,9 +378,14 @@ class SupervisedHost:
             current.calls.pop(call_id, None)
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
+        current = self._current
         answer = await self._call(
             request.request_id, {"op": "prepare", "req": encode_request(request)}
         )
+        work = answer.get("t")  # when the replica began and ended the work
+        if work and current is not None and getattr(current.channel, "same_clock", False):
+            stages.mark("prepare_start", work[0])
+            stages.mark("prepare_end", work[1])
         return PromptInfo(answer["prompt_tokens"], answer["context_length"])
 
     def _next_call_id(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +25,7 @@ from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill import stages
 from tokenmill.config import Settings
 from tokenmill.errors import NotFoundError, TokenmillError
 from tokenmill.gateway.core import Gateway, new_request_id
@@ -70,6 +72,10 @@ class RequestContext:
                 break
         rid = rid or new_request_id()
         state = scope.setdefault("state", {})
+        marks: stages.Marks = {"app": time.monotonic()}
+        arrived = state.pop(stages.ARRIVED, None)
+        if arrived is not None:
+            marks["arrive"] = arrived
         state["request_id"] = rid
         state.setdefault("caller", ANONYMOUS)
         header = (b"x-request-id", rid.encode())
@@ -80,7 +86,11 @@ class RequestContext:
                 message["headers"] = [*headers, header]
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = stages.begin(marks)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            stages.end(token)
 
 
 class TokenmillApp(FastAPI):

@@ -23,6 +23,7 @@ from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tokenmill import stages
 from tokenmill.errors import AuthenticationError, PermissionDeniedError, TokenmillError
 from tokenmill.gateway.metering import ANONYMOUS, Caller
 from tokenmill.ledger.base import ANONYMOUS_ACCOUNT, KeyInfo, hash_key
@@ -121,6 +122,7 @@ class Auth:
                 return
             if caller is not None:
                 scope.setdefault("state", {})["caller"] = caller
+            stages.mark("auth")
         await self.app(scope, receive, send)
 
     async def _caller(self, scope: Scope) -> Caller | None:

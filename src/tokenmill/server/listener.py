@@ -29,6 +29,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Generator
 from types import FrameType
 from typing import Any
@@ -38,6 +39,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from tokenmill.config import Settings
 from tokenmill.gateway.core import Gateway
+from tokenmill.stages import ARRIVED
 
 log = logging.getLogger("tokenmill.server")
 
@@ -74,6 +76,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        # The request's first byte is parsed: where its stages begin (tokenmill.stages).
+        self.scope["state"][ARRIVED] = time.monotonic()
         self._head_bytes = 0
         self._arm_request_deadline()
 

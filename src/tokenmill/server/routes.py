@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
+from tokenmill import stages
 from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableError
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
@@ -73,7 +74,7 @@ async def parse(request: Request, model: type[M]) -> M:
     if not body.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as e:
         if any(err["type"] == "json_invalid" for err in e.errors()):
             raise InvalidRequestError(
@@ -83,6 +84,8 @@ async def parse(request: Request, model: type[M]) -> M:
         if any(err["type"] == "model_type" and not err["loc"] for err in e.errors()):
             raise InvalidRequestError("the request body must be a JSON object") from None
         raise from_validation_error(e.errors()) from None
+    stages.mark("parsed")
+    return parsed
 
 
 async def respond(request: Request, gen: Generation, stream: bool) -> Response:
