@@ -11,10 +11,17 @@ import pytest
 
 from tests.conftest import ServerProcess
 from tests.server.test_bad_input import assert_error
-from tokenmill.server.protocol import CompletionRequest
+from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, PredictRequest
 from tokenmill.server.refused import NO_OPS, REFUSED
 
 HI = [{"role": "user", "content": "hi"}]
+# The request model of each endpoint: the fields it implements are not refused there.
+IMPLEMENTED = {
+    "/v1/chat/completions": ChatCompletionRequest.IMPLEMENTED,
+    "/v1/completions": CompletionRequest.IMPLEMENTED,
+    "/v1/deployments/smollm2/predict": PredictRequest.IMPLEMENTED,
+    "/v1/deployments/smollm2/predictWithResponseStream": PredictRequest.IMPLEMENTED,
+}
 ENDPOINTS = [
     ("/v1/chat/completions", {"messages": HI}),
     ("/v1/completions", {"prompt": "hi"}),
@@ -38,11 +45,13 @@ ASKS: dict[str, Any] = {
 def test_refused_field_is_400_naming_it(
     http: httpx.Client, path: str, base: dict[str, Any], field: str
 ) -> None:
-    value = ASKS.get(field, {"asked": 1})
+    implemented = field in IMPLEMENTED[path]
+    invalid = 5 if field == "tool_choice" else {"asked": 1}  # an object: tool_choice.type
+    value = invalid if implemented else ASKS.get(field, {"asked": 1})
     err = assert_error(http.post(path, json={**base, "max_tokens": 1, field: value}), 400, field)
     assert err["type"] == "invalid_request_error"
-    if path == "/v1/completions" and field in CompletionRequest.IMPLEMENTED:
-        return  # implemented there (echo): an object is just not a valid value
+    if implemented:
+        return  # implemented there (echo, tools): an object is just not a valid value
     assert err["code"] == "unsupported_parameter"
     assert "does not support" in err["message"]
 
@@ -53,6 +62,7 @@ def test_neutral_values_and_no_ops_are_served(
 ) -> None:
     neutral = {name: spec.neutral[0] for name, spec in REFUSED.items() if spec.neutral}
     no_ops = dict.fromkeys(NO_OPS, "anything") | {"metadata": {"k": "v"}, "store": True}
+    no_ops["parallel_tool_calls"] = True  # a boolean where tools are implemented
     body = {**base, "max_tokens": 1, **neutral, **no_ops, "user": "u-1", "nonsense": 1}
     r = http.post(path, json=body)
     assert r.status_code == 200, r.text
@@ -82,8 +92,7 @@ def test_the_openai_sdk_sees_the_refused_parameter(server: ServerProcess) -> Non
 
 def test_schema_offers_only_neutral_values(http: httpx.Client) -> None:
     schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    props = schemas["CompletionRequest"]["properties"]
+    assert {"type": "array", "maxItems": 0, "minItems": 0} in props["tools"]["anyOf"]
     for model in ("ChatCompletionRequest", "CompletionRequest", "PredictRequest"):
-        props = schemas[model]["properties"]
-        tools = props["tools"]["anyOf"]
-        assert {"type": "array", "maxItems": 0, "minItems": 0} in tools
-        assert set(REFUSED) <= set(props)
+        assert set(REFUSED) <= set(schemas[model]["properties"])

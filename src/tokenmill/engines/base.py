@@ -106,9 +106,35 @@ class Constraint:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call an assistant turn made: its id, the function's name, the arguments as
+    JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
     content: str
+    # An assistant turn's calls; a tool turn's answer names its call (``tool_call_id``).
+    # Only an engine given ``GenerationRequest.tools`` sees them: for the others the
+    # server writes calls and results into ``content``.
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """Tools for an engine that passes them on to a server that calls them itself
+    (an upstream): OpenAI's ``tools`` and ``tool_choice`` as JSON text, and
+    ``parallel_tool_calls``. The calls come back as ``Chunk.tool_calls``."""
+
+    tools: str
+    choice: str | None = None
+    parallel: bool | None = None
 
 
 # One prompt of several (``GenerationRequest.prompts``): its text or its token ids.
@@ -140,6 +166,9 @@ class GenerationRequest:
     prompt_tokens: tuple[int, ...] | None = None
     prompts: tuple[PromptItem, ...] | None = None
     n: int = 1
+    # Tools the engine passes on (``ToolSpec``); None for any engine that runs a model
+    # here, where tool calling is a constraint on the text.
+    tools: ToolSpec | None = None
 
     def __post_init__(self) -> None:
         given = (self.prompt, self.messages, self.prompt_tokens, self.prompts)
@@ -265,6 +294,20 @@ class Chunk:
     # reason. The request's final chunk (``finish_reason``) ends the last choice, and
     # any choice still open then (a cancelled request ends them all at once).
     choice_finish: FinishReason | None = None
+    # Pieces of tool calls (a request with ``tools``), in OpenAI's delta shape.
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a tool call as it streams: the call's ``id`` and ``name`` come with
+    its first piece, then ``arguments`` fragments (their concatenation is the
+    arguments' JSON text). ``index`` numbers the calls of a choice."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ import httpx
 
 from tokenmill.config import UpstreamDeployment
 from tokenmill.engines.base import (
+    ChatMessage,
     Chunk,
     Constraint,
     EngineHealth,
@@ -48,6 +49,7 @@ from tokenmill.engines.base import (
     TokenizeRequest,
     TokenizerInfo,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     Usage,
     refuse_choices,
@@ -275,7 +277,13 @@ class UpstreamEngine:
         if s.constraint is not None:
             body.update(constraint_fields(s.constraint))
         if request.messages is not None:
-            body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+            body["messages"] = [_message(m) for m in request.messages]
+            if request.tools is not None:  # forwarded as sent
+                body["tools"] = json.loads(request.tools.tools)
+                if request.tools.choice is not None:
+                    body["tool_choice"] = json.loads(request.tools.choice)
+                if request.tools.parallel is not None:
+                    body["parallel_tool_calls"] = request.tools.parallel
             if s.logprobs is not None:
                 body["logprobs"] = True
                 body["top_logprobs"] = s.logprobs
@@ -412,6 +420,11 @@ class UpstreamEngine:
                         int(cached),
                     )
                 for choice in event.get("choices") or ():
+                    calls = _tool_calls(choice)
+                    if calls:
+                        for call in calls:
+                            state.add(call.arguments)
+                        stream.put(Chunk("", tool_calls=calls))
                     text = _choice_text(choice)
                     logprobs: tuple[TokenLogprob, ...] = ()
                     if request.sampling.logprobs is not None and text:
@@ -459,6 +472,40 @@ def _logprobs(raw: Any, offset: int) -> tuple[TokenLogprob, ...]:
 def _piece(entry: dict[str, Any]) -> bytes:
     raw = entry.get("bytes")
     return bytes(raw) if isinstance(raw, list) else str(entry["token"]).encode()
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A message in OpenAI's shape, its tool calls and call id included."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["content"] = m.content or None
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _tool_calls(choice: dict[str, Any]) -> tuple[ToolCallDelta, ...]:
+    """The pieces of tool calls in a streamed chat choice (OpenAI's delta shape)."""
+    delta = choice.get("delta")
+    raw = delta.get("tool_calls") if isinstance(delta, dict) else None
+    if not isinstance(raw, list):
+        return ()
+    out = []
+    for i, call in enumerate(raw):
+        function = call.get("function") or {}
+        out.append(
+            ToolCallDelta(
+                index=int(call.get("index", i)),
+                id=call.get("id"),
+                name=function.get("name"),
+                arguments=str(function.get("arguments") or ""),
+            )
+        )
+    return tuple(out)
 
 
 def _choice_text(choice: dict[str, Any]) -> str:

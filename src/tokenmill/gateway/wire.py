@@ -35,6 +35,9 @@ from tokenmill.engines.base import (
     TokenizeRequest,
     TokenizerInfo,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
     TopLogprob,
     Usage,
 )
@@ -68,14 +71,31 @@ def encode_request(r: GenerationRequest) -> dict[str, Any]:
         "id": r.request_id,
         "s": sampling,
         "p": r.prompt,
-        "m": None if r.messages is None else [[m.role, m.content] for m in r.messages],
+        "m": None if r.messages is None else [encode_message(m) for m in r.messages],
         "t": r.chat_template,
         "k": None if r.prompt_tokens is None else list(r.prompt_tokens),
         "ps": None
         if r.prompts is None
         else [p if isinstance(p, str) else list(p) for p in r.prompts],
         "n": r.n,
+        "tl": None if r.tools is None else dataclasses.asdict(r.tools),
     }
+
+
+def encode_message(m: ChatMessage) -> list[Any]:
+    """``[role, content]``, and the turn's tool calls and call id when it has them."""
+    if not (m.tool_calls or m.tool_call_id):
+        return [m.role, m.content]
+    calls = [[c.id, c.name, c.arguments] for c in m.tool_calls]
+    return [m.role, m.content, calls, m.tool_call_id]
+
+
+def decode_message(row: list[Any]) -> ChatMessage:
+    role, content, *tool = row
+    if not tool:
+        return ChatMessage(role, content)
+    calls, call_id = tool
+    return ChatMessage(role, content, tuple(ToolCall(*c) for c in calls), call_id)
 
 
 def encode_tokenize(r: TokenizeRequest) -> dict[str, Any]:
@@ -135,13 +155,14 @@ def decode_request(d: dict[str, Any]) -> GenerationRequest:
         request_id=d["id"],
         sampling=SamplingParams(**s),
         prompt=d["p"],
-        messages=None if messages is None else tuple(ChatMessage(r, c) for r, c in messages),
+        messages=None if messages is None else tuple(decode_message(m) for m in messages),
         chat_template=d["t"],
         prompt_tokens=None if tokens is None else tuple(int(t) for t in tokens),
         prompts=None
         if prompts is None
         else tuple(p if isinstance(p, str) else tuple(int(t) for t in p) for p in prompts),
         n=int(d.get("n", 1)),
+        tools=None if d.get("tl") is None else ToolSpec(**d["tl"]),
     )
 
 
@@ -214,15 +235,25 @@ def chunk_row(rid: str, chunk: Chunk) -> list[Any]:
     usage = encode_usage(chunk.usage)
     logprobs = encode_logprobs(chunk.logprobs)
     row = [rid, chunk.text, chunk.finish_reason, usage, chunk.tokens, logprobs]
-    if chunk.index or chunk.choice_finish:  # a request with several choices
+    if chunk.index or chunk.choice_finish or chunk.tool_calls:  # several choices, or calls
         row += [chunk.index, chunk.choice_finish]
+    if chunk.tool_calls:
+        row.append([[c.index, c.id, c.name, c.arguments] for c in chunk.tool_calls])
     return row
 
 
 def decode_chunk_row(row: list[Any]) -> tuple[str, Chunk]:
-    rid, text, reason, usage, tokens, logprobs, *choice = row
-    index, choice_finish = choice or (0, None)
+    rid, text, reason, usage, tokens, logprobs, *more = row
+    index, choice_finish, *calls = more or (0, None)
+    tool_calls = tuple(ToolCallDelta(*c) for c in calls[0]) if calls else ()
     chunk = Chunk(
-        text, reason, decode_usage(usage), tokens, decode_logprobs(logprobs), index, choice_finish
+        text,
+        reason,
+        decode_usage(usage),
+        tokens,
+        decode_logprobs(logprobs),
+        index,
+        choice_finish,
+        tool_calls,
     )
     return rid, chunk

@@ -24,6 +24,7 @@ from pydantic import (
 from tokenmill.engines.base import ChatMessage, SamplingParams
 from tokenmill.server.refused import RefusedFields
 from tokenmill.server.structured import StructuredFields
+from tokenmill.server.tool_protocol import MessageToolCall, ToolCall, ToolCallDelta, ToolFields
 
 # A stop list longer than this is almost certainly a client bug, and each stop string
 # is checked on every token.
@@ -81,6 +82,10 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    # An assistant turn's calls; a tool turn's answer to one (``tool_call_id``).
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def to_chat_message(self) -> ChatMessage:
         content = self.content
@@ -231,7 +236,7 @@ class ChatLogprobFields(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs is True else None
 
 
-class ChatCompletionRequest(ChatLogprobFields):
+class ChatCompletionRequest(ToolFields, ChatLogprobFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
 
@@ -315,7 +320,7 @@ class CompletionRequest(SamplingFields):
         )
 
 
-class PredictRequest(ChatLogprobFields):
+class PredictRequest(ToolFields, ChatLogprobFields):
     """Body of the deployment predict endpoints: ``prompt`` or ``messages``.
 
     ``logprobs`` is chat's (``true`` with ``top_logprobs``) or a completion's (a count
@@ -411,7 +416,7 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "
 # The generation routes build these shapes as dicts (one per token on the hot path);
 # ``extra="forbid"`` makes the served schema say that nothing else is sent.
 
-PublicFinishReason = Literal["stop", "length", "error"]
+PublicFinishReason = Literal["stop", "length", "error", "tool_calls"]
 
 
 class _Response(BaseModel):
@@ -444,7 +449,8 @@ class CompletionUsage(_Response):
 
 class AssistantMessage(_Response):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls")
+    tool_calls: list[ToolCall] | None = None
 
 
 Logprob = Annotated[float, Field(le=0.0, description="natural log of the probability")]
@@ -497,6 +503,7 @@ class ChatCompletion(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal
 
 from tokenmill.engines.base import (
@@ -37,6 +38,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.sse import DONE, encode_event
 from tokenmill.server.structured import instruct
+from tokenmill.server.tools import plan_tools
 
 Route = Literal["chat", "completion"]
 
@@ -300,8 +302,15 @@ async def open_generation(
         assert prompt is not None
         messages, prompt = [Message(role="user", content=prompt)], None
     sampling = body.sampling_params(body.max_tokens or 0)
+    tools = plan_tools(body, route, messages, deployment.config.engine, sampling.constraint)
     chat = None
-    if messages is not None:
+    if tools is not None:
+        chat = tools.messages
+        if tools.constraint is not None:  # the tool format, the answer branch included
+            sampling = replace(sampling, constraint=tools.constraint)
+        elif sampling.constraint is not None:
+            chat = instruct(chat, sampling.constraint)
+    elif messages is not None:
         chat = tuple(m.to_chat_message() for m in messages)
         if sampling.constraint is not None:
             chat = instruct(chat, sampling.constraint)
@@ -314,9 +323,16 @@ async def open_generation(
         messages=chat,
         chat_template=body.chat_template,
         n=body.n,
+        tools=None if tools is None else tools.spec,
     )
     stream = await gateway.open(deployment, request, caller)
-    return Generation(
+    kind: Callable[..., Generation] = Generation
+    if tools is not None and tools.reads_calls:
+        # Imported here: tool_serving builds on this module.
+        from tokenmill.server.tool_serving import ToolGeneration
+
+        kind = partial(ToolGeneration, forwarded=tools.spec is not None)
+    return kind(
         route=route,
         stream=stream,
         model=body.model or deployment.id,

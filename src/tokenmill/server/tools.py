@@ -1,0 +1,330 @@
+"""Tool calling for models whose chat template knows no tools: the generic format.
+
+SmolLM2's template (and many others) has no notion of tools, so tokenmill does what
+llama-server does for such models (its "generic" chat format):
+
+* the tools are described in a system message (the first one, or one put first),
+  with how to answer: one JSON object, ``{"tool_calls": [{"name", "arguments"}]}``
+  to call tools or ``{"response": "..."}`` to answer the user;
+* the output is constrained (:class:`~tokenmill.engines.base.Constraint`, a JSON
+  Schema) to exactly that: a name from the list, arguments valid against that tool's
+  ``parameters``, or an answer. ``tool_choice: "required"`` and a named function drop
+  the answer branch (a named one allows that tool only); ``parallel_tool_calls:
+  false`` allows one call; ``"none"`` leaves the output free and the tools out of
+  the prompt;
+* the turns of an earlier exchange are written the same way: an assistant turn's
+  ``tool_calls`` as the JSON it would have generated, the ``tool`` results as a user
+  turn holding ``{"tool_response": ...}`` (templates that alternate user and
+  assistant accept that, and a model trained on neither reads it as well as any).
+
+A deployment that proxies another server (``engine = "upstream"``) gets the fields
+and the turns unchanged (:class:`~tokenmill.engines.base.ToolSpec`): that server
+calls tools its own way, and its calls come back as the chunks' ``tool_calls``.
+
+The description is part of the prompt, so its tokens are counted, held for and billed
+like the rest of it. :mod:`tokenmill.server.toolcalls` reads the calls back out of
+the output as it streams; :mod:`tokenmill.server.tool_serving` shapes them as
+OpenAI's ``tool_calls``.
+
+Refused with a 400 naming the field: ``tool_choice`` (other than ``none``/``auto``)
+without tools, or naming a tool not offered; two tools of one name; ``parameters``
+that is not an object schema; tools on a completion route; log probabilities with
+tools; ``response_format`` other than a JSON schema or object beside tools (the answer
+branch takes that schema).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tokenmill.engines.base import ChatMessage, Constraint, ToolCall, ToolSpec
+from tokenmill.errors import InvalidRequestError
+from tokenmill.server.protocol import Message, SamplingFields
+from tokenmill.server.tool_protocol import NamedToolChoice, Tool, ToolFields
+
+# The schema of a function declared without ``parameters``: it takes no arguments.
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How a chat request with tools (or with an earlier exchange of calls) is run."""
+
+    messages: tuple[ChatMessage, ...]  # rendered for a template that knows no tools
+    # The generic format's schema (replacing the request's own constraint, which
+    # becomes its answer branch's); None: the request's constraint stands.
+    constraint: Constraint | None
+    # The answer may hold tool calls: read out of its text (the generic format), or
+    # as the engine's own calls (``spec``).
+    reads_calls: bool
+    # Tools passed on unchanged to an engine that forwards them (an upstream server).
+    spec: ToolSpec | None = None
+
+
+def plan_tools(
+    body: SamplingFields,
+    route: str,
+    messages: Sequence[Message] | None,
+    engine: str,
+    constraint: Constraint | None,
+) -> ToolPlan | None:
+    """The plan of a request, or None when it involves no tools at all. Raises
+    :class:`InvalidRequestError` (a 400 naming the field) for what cannot be served."""
+    tools: list[Tool] = []
+    choice: Any = None
+    parallel = True
+    if isinstance(body, ToolFields):
+        tools = body.tools or []
+        choice = body.tool_choice
+        parallel = body.parallel_tool_calls is not False
+    _check_tools(tools, choice)
+    active = bool(tools) and choice != "none"
+    history = any(m.tool_calls or m.role == "tool" for m in messages or ())
+    if active and route != "chat":
+        raise InvalidRequestError(
+            "tools are for chat: this request is a text completion (the deployment's "
+            "endpoint_type, or the route asked for); send messages to a chat route",
+            param="tools",
+        )
+    if engine == "upstream" and (tools or history):
+        return _forwarded(body, tools, messages or ())
+    if not active and not history:
+        return None
+    if active and body.logprob_alternatives() is not None:
+        raise InvalidRequestError(
+            "log probabilities are not reported beside tools; leave 'logprobs' out or "
+            "send tool_choice 'none'",
+            param="logprobs",
+        )
+    offered = tools if active else []
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if named is not None:
+        offered = [t for t in tools if t.function.name == named]
+    rendered = _render(messages or ())
+    if not active:
+        return ToolPlan(rendered, None, reads_calls=False)
+    answer = None if choice == "required" or named else _answer_schema(constraint)
+    schema = generic_schema(offered, answer=answer, parallel=parallel)
+    prompt = describe_tools(offered, answer=answer is not None, parallel=parallel, named=named)
+    return ToolPlan(
+        _with_system(rendered, prompt),
+        Constraint("json_schema", json.dumps(schema), name="tool_calls", param="tools"),
+        reads_calls=True,
+    )
+
+
+def _forwarded(body: SamplingFields, tools: list[Tool], messages: Sequence[Message]) -> ToolPlan:
+    """For a server that calls tools itself: the fields and the turns as they are."""
+    chat = tuple(
+        replace(
+            m.to_chat_message(),
+            tool_calls=tuple(
+                ToolCall(c.id or "", c.function.name, c.function.arguments)
+                for c in m.tool_calls or ()
+            ),
+            tool_call_id=m.tool_call_id,
+        )
+        for m in messages
+    )
+    if not tools:
+        return ToolPlan(chat, None, reads_calls=False)
+    assert isinstance(body, ToolFields)
+    choice = body.tool_choice
+    spec = ToolSpec(
+        tools=json.dumps([t.model_dump(exclude_none=True) for t in tools]),
+        choice=None
+        if choice is None
+        else json.dumps(choice if isinstance(choice, str) else choice.model_dump()),
+        parallel=body.parallel_tool_calls,
+    )
+    return ToolPlan(chat, None, reads_calls=True, spec=spec)
+
+
+def _check_tools(tools: list[Tool], choice: Any) -> None:
+    if not tools and choice not in (None, "none", "auto"):
+        raise InvalidRequestError(
+            "tool_choice asks for a tool call but no tools are given; send 'tools' or "
+            "leave tool_choice out",
+            param="tool_choice",
+        )
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if name in seen:
+            raise InvalidRequestError(
+                f"two tools are named {name!r}; a call names its tool, so names must differ",
+                param=f"tools.{i}.function.name",
+            )
+        seen.add(name)
+        params = tool.function.parameters
+        if params and params.get("type", "object") != "object":
+            raise InvalidRequestError(
+                f"the parameters of {name!r} are a schema of type {params['type']!r}; "
+                "arguments are a JSON object, so parameters is an object schema "
+                '({"type": "object", "properties": {...}})',
+                param=f"tools.{i}.function.parameters",
+            )
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
+        offered = ", ".join(sorted(seen))
+        raise InvalidRequestError(
+            f"tool_choice names {choice.function.name!r}, which is not among the tools "
+            f"({offered}); name one of them",
+            param="tool_choice",
+        )
+
+
+def _answer_schema(constraint: Constraint | None) -> dict[str, Any]:
+    """The schema of a plain answer: text, or the request's own response_format."""
+    if constraint is None:
+        return {"type": "string"}
+    if constraint.kind == "json_schema":
+        schema: dict[str, Any] = json.loads(constraint.text)
+        return schema
+    if constraint.kind == "json_object":
+        return {"type": "object"}
+    raise InvalidRequestError(
+        f"a {constraint.kind} constraint cannot be combined with tools: the answer "
+        "beside a tool call is JSON; send a json_schema or json_object response_format, "
+        "or tool_choice 'none'",
+        param=constraint.param,
+    )
+
+
+def arguments_schema(tool: Tool) -> dict[str, Any]:
+    """A tool's ``parameters``, with no properties beyond those it declares (a small
+    model otherwise invents some) unless it says otherwise."""
+    params = tool.function.parameters
+    if not params:
+        return NO_ARGUMENTS
+    if "additionalProperties" in params or "properties" not in params:
+        return params
+    return {**params, "additionalProperties": False}
+
+
+def generic_schema(
+    tools: Sequence[Tool], *, answer: dict[str, Any] | None, parallel: bool
+) -> dict[str, Any]:
+    """The JSON Schema of the generic format: calls of ``tools`` (one, unless
+    ``parallel``) or, with an ``answer`` schema, an answer."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "const": t.function.name},
+                "arguments": arguments_schema(t),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    items = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    array: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    call = {
+        "type": "object",
+        "properties": {"tool_calls": array},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
+    if answer is None:
+        return call
+    response = {
+        "type": "object",
+        "properties": {"response": answer},
+        "required": ["response"],
+        "additionalProperties": False,
+    }
+    return {"anyOf": [call, response]}
+
+
+def describe_tools(
+    tools: Sequence[Tool], *, answer: bool, parallel: bool, named: str | None
+) -> str:
+    """The system prompt's part that offers the tools and says how to answer."""
+    lines = [
+        json.dumps(
+            {
+                "name": t.function.name,
+                "description": t.function.description or "",
+                "parameters": t.function.parameters or NO_ARGUMENTS,
+            },
+            ensure_ascii=False,
+        )
+        for t in tools
+    ]
+    shape = '{"tool_calls": [{"name": "<tool name>", "arguments": {<its arguments>}}]}'
+    how = "one call" if not parallel else "one or more calls"
+    if named is not None:
+        ask = f"Call the tool {named!r}, answering with one JSON object: {shape}"
+    elif answer:
+        ask = (
+            f"Answer with one JSON object: to call tools ({how}), {shape}; to reply to "
+            'the user directly, {"response": "<your reply>"}.'
+        )
+    else:
+        ask = f"Call tools ({how}), answering with one JSON object: {shape}"
+    return (
+        "You can call the following tools; each one's arguments follow the JSON Schema "
+        "in its parameters:\n" + "\n".join(lines) + "\n\n" + ask
+    )
+
+
+def _with_system(messages: tuple[ChatMessage, ...], text: str) -> tuple[ChatMessage, ...]:
+    """``messages`` with ``text`` ending the first system message (or one put first)."""
+    if messages and messages[0].role == "system":
+        first = messages[0]
+        joined = f"{first.content}\n\n{text}" if first.content else text
+        return (ChatMessage("system", joined), *messages[1:])
+    return (ChatMessage("system", text), *messages)
+
+
+def _render(messages: Sequence[Message]) -> tuple[ChatMessage, ...]:
+    """The conversation as plain turns: calls as the generic format's JSON, results as
+    a user turn (consecutive results share one)."""
+    names: dict[str, str] = {}  # tool_call_id -> the tool it called
+    out: list[ChatMessage] = []
+    results: list[str] = []  # the tool results of the turn being gathered
+
+    def end_results() -> None:
+        if results:
+            out.append(ChatMessage("user", "\n".join(results)))
+            results.clear()
+
+    for m in messages:
+        plain = m.to_chat_message()
+        if m.role == "tool":
+            result: dict[str, Any] = {"name": m.name or names.get(m.tool_call_id or "", "")}
+            if m.tool_call_id:
+                result["tool_call_id"] = m.tool_call_id
+            result["content"] = plain.content
+            results.append(json.dumps({"tool_response": result}, ensure_ascii=False))
+            continue
+        end_results()
+        if m.role == "assistant" and m.tool_calls:
+            calls = []
+            for call in m.tool_calls:
+                if call.id:
+                    names[call.id] = call.function.name
+                calls.append(
+                    {"name": call.function.name, "arguments": _json(call.function.arguments)}
+                )
+            text = json.dumps({"tool_calls": calls}, ensure_ascii=False)
+            content = f"{plain.content}\n{text}" if plain.content else text
+            out.append(ChatMessage("assistant", content))
+        else:
+            out.append(plain)
+    end_results()
+    return tuple(out)
+
+
+def _json(text: str) -> Any:
+    """Arguments as sent: their JSON value, or the text itself if it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
