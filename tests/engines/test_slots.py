@@ -119,6 +119,25 @@ def test_fills_ignores_runs() -> None:
     assert plan_placement(make(4, busy=[1]), PROMPT).dest == 0  # also adjacent
 
 
+def test_among_equal_prefixes_the_least_recently_used_slot_is_taken() -> None:
+    # One stream: every slot caches a conversation after the same system prompt.
+    system = PROMPT[:8]
+    held = {i: [*system, *other(30, 500 + 100 * i)] for i in range(4)}
+    slots = make(4, tokens=held, used={0: 4.0, 1: 2.0, 2: 1.0, 3: 3.0})
+    prompt = [*system, *other(12, 900)]
+    plan = plan_placement(slots, prompt)
+    # Slot 2's conversation is the oldest: the prompt takes its slot, and no other
+    # conversation is moved (no KV stream copied on the way to the first token).
+    assert plan == Placement(dest=2, keep=8, source=0)
+    assert plan.copies == 0
+
+
+def test_a_longer_prefix_still_beats_an_older_slot() -> None:
+    slots = make(4, tokens={0: PROMPT[:4], 1: PROMPT[:12]}, used={0: 1.0, 1: 9.0})
+    plan = plan_placement(slots, PROMPT)
+    assert (plan.dest, plan.keep) == (1, 12)
+
+
 def test_a_running_slots_prefix_is_copied() -> None:
     slots = make(4, busy=[0], tokens={0: [*PROMPT[:10], 7, 7]})
     plan = plan_placement(slots, PROMPT)
@@ -349,11 +368,12 @@ def reference(
         shared = [0] * len(shared)
     n = len(busy)
 
-    def placement(i: int) -> tuple[int, int, int]:
+    def placement(i: int) -> tuple[int, int, float, int]:
         left = i > 0 and busy[i - 1]
         right = i + 1 < n and busy[i + 1]
         runs_added = 0 if fills else 1 - left - right
-        return (runs_added, -shared[i], i)
+        # (Since #16: the least recently used among equally good slots, then the index.)
+        return (runs_added, -shared[i], slots[i].last_used, i)
 
     dest = slots[min((i for i in range(n) if not busy[i]), key=placement)]
     common = shared[dest.index]

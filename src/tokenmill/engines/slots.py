@@ -109,8 +109,13 @@ def plan_placement(
     a slot that opens a new run costs an extra pass on every step until the gap fills
     (measured here: 4 sequences in one run ~21 ms a step, in two ~32 ms). Among
     equally good slots, the one whose own cache shares most of the prompt wins, then
-    the lowest index; when this round ``fills`` every free slot there will be no gap
-    to avoid, and only the cached prefix counts.
+    the least recently used, then the lowest index; when this round ``fills`` every
+    free slot there will be no gap to avoid, and only the cached prefix counts.
+    (Least recently used first: what it caches is what parking would overwrite
+    anyway. One stream whose prompts share a system prompt with every cached
+    conversation so takes the oldest one's slot directly, instead of the lowest slot
+    and a copy of that slot's whole KV stream into the oldest's on its first token's
+    path, as llama-server's LRU slot choice does.)
 
     The prefix may be cached in another slot, free or running (the same system
     prompt, the previous turn of a chat). Copying that slot's KV stream into the
@@ -131,11 +136,11 @@ def plan_placement(
     busy = [slot.busy for slot in slots]
     shared = [common_prefix(slot.tokens, prompt) for slot in slots] if reuse_prefix else [0] * n
 
-    def placement(i: int) -> tuple[int, int, int]:
+    def placement(i: int) -> tuple[int, int, float, int]:
         left = i > 0 and busy[i - 1]
         right = i + 1 < n and busy[i + 1]
         runs_added = 0 if fills else 1 - left - right  # +1 opens a run, -1 joins two
-        return (runs_added, -shared[i], i)
+        return (runs_added, -shared[i], slots[i].last_used, i)
 
     free = [i for i in range(n) if not busy[i]]
     if not free:

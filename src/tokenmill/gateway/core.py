@@ -1,11 +1,12 @@
 """The gateway: from a validated request to a metered, cancellable stream of chunks.
 
 :meth:`Gateway.open` does everything that can refuse a request *before* a byte of
-the response is sent (unknown model, prompt too long, queue full, no credit), and
-returns a :class:`RequestStream`. The stream is the one place where cancellation and
-the books meet: however it ends (finished, stop string, client gone, replica crash),
-its ``aclose`` aborts the engine request, returns the replica's slot and the
-admission permit, settles the hold exactly once, and writes one log line.
+the response is sent (unknown model, prompt too long, queue full, no credit), then
+hands the request to its replica, and returns a :class:`RequestStream`: the replica
+works on the prompt while the response head is written. The stream is the one place
+where cancellation and the books meet: however it ends (finished, stop string, client
+gone, replica crash), its ``aclose`` aborts the engine request, returns the replica's
+slot and the admission permit, settles the hold exactly once, and writes one log line.
 """
 
 from __future__ import annotations
@@ -120,13 +121,19 @@ class RequestStream:
     def prompt_tokens(self) -> int:
         return self.record.prompt_tokens
 
+    def start(self) -> ChunkStream:
+        """Hand the request to its replica (once): generation starts."""
+        if self._engine_stream is None:
+            # Before the frame leaves: the replica may take it up at once.
+            self.record.marks["dispatched"] = time.monotonic()
+            self._engine_stream = self._replica.host.generate(self.request)
+        return self._engine_stream
+
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         rec = self.record
         observers = self._gateway.observers
         try:
-            # Before the frame leaves: the replica may take it up at once.
-            rec.marks["dispatched"] = time.monotonic()
-            self._engine_stream = stream = self._replica.host.generate(self.request)
+            stream = self.start()
             async for chunk in stream:
                 now = time.monotonic()
                 if rec.ttft_s is None and (chunk.text or chunk.finish_reason):
@@ -374,6 +381,16 @@ class Gateway:
         self._open.add(stream)
         for o in self.observers:
             o.on_start(record)
+        try:
+            # Now, not when the response's body is first read: the replica works on the
+            # prompt while the response head goes out.
+            stream.start()
+        except BaseException as e:
+            record.status = "error"
+            record.error_code = getattr(e, "code", None)
+            record.finish_reason = "error"
+            await stream.aclose()
+            raise
         return stream
 
     def check_admits(self, caller: Caller, verb: str) -> None:
