@@ -11,6 +11,9 @@
    Log probabilities (``--no-logprobs-cost`` skips them, ``--only-logprobs`` runs them
    alone): beside each of tokenmill's c=16 runs, on the same server, one more where every
    request asks for ``logprobs`` with the top 5 alternatives: their cost in tok/s.
+   Structured outputs (``--no-constrained`` skips them, ``--only-constrained`` runs them
+   alone): plain and JSON-schema-constrained runs at c=16 on one more tokenmill server,
+   interleaved, and the mask's own cost per token (see ``bench/constrained.py``).
 3. Memory: the gateway process alone (the target applies to it: the model and the KV
    cache live in the replica child), the replica process less model file and KV cache,
    and llama-server's process beside them.
@@ -46,6 +49,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import constrained
 import httpx
 from firsttoken import (
     FIRST_TURN_TOKENS,
@@ -239,6 +243,7 @@ def run_bench(
     max_tokens: int,
     busy: int = 0,
     top_logprobs: int | None = None,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     # `python -m tokenmill.bench` is `tokenmill bench` without importing the other
     # subcommands, so a broken unrelated CLI module cannot stop the benchmark.
@@ -247,6 +252,7 @@ def run_bench(
     cmd += ["--max-tokens", str(max_tokens), "--busy", str(busy), "--json"]
     if top_logprobs is not None:
         cmd += ["--top-logprobs", str(top_logprobs)]
+    cmd += extra
     out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
     lines = out.stdout.strip().splitlines()
     if not lines:
@@ -708,13 +714,18 @@ def cpu_per_token(
 
 
 def one_run(
-    s: Server, c: int, max_tokens: int, busy: int = 0, top_logprobs: int | None = None
+    s: Server,
+    c: int,
+    max_tokens: int,
+    busy: int = 0,
+    top_logprobs: int | None = None,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One ``tokenmill bench`` run against ``s``, with the CPU it cost per token (and
     for tokenmill, its requests' first-token stages from its log)."""
     offset = log_size(s.log_path)
     before, client_before = cpu_split(s.proc.pid, s.cpu_groups), client_cpu_seconds()
-    report = run_bench(s, c, max_tokens, busy, top_logprobs)
+    report = run_bench(s, c, max_tokens, busy, top_logprobs, extra)
     after = cpu_split(s.proc.pid, s.cpu_groups)
     report["cpu_ms_per_token"] = cpu_per_token(
         before, after, client_cpu_seconds() - client_before, report
@@ -849,6 +860,25 @@ def logprobs_section(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out["cost"] = logprobs_cost(runs)
     out["targets"] = logprobs_target(out["cost"])
     return out
+
+
+def constrained_section(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Structured outputs' cost (see bench/constrained.py) on one tokenmill server."""
+
+    def start() -> Server:
+        port = free_port()
+        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port)]
+        cmd += ["--data-dir", str(tmp / "data-constrained")]
+        s = Server("tokenmill", cmd, port, tmp / "tokenmill-constrained.log")
+        s.wait_ready()
+        s.warm_up()
+        log(f"{s.name} ready on {s.url} (model {s.model!r})")
+        return s
+
+    def run(s: Server, extra: tuple[str, ...]) -> dict[str, Any]:
+        return one_run(s, SLOTS, args.max_tokens, extra=extra)
+
+    return constrained.section(args.reps, SLOTS, start, run, log, tmp)
 
 
 def logprobs_table(results: dict[str, Any]) -> str:
@@ -1205,6 +1235,17 @@ def main() -> int:
         "interleaved on one server",
     )
     parser.add_argument(
+        "--no-constrained",
+        action="store_true",
+        help=f"skip tokenmill's c={SLOTS} runs with and without a JSON-schema constraint",
+    )
+    parser.add_argument(
+        "--only-constrained",
+        action="store_true",
+        help=f"only tokenmill's c={SLOTS} runs with and without a JSON-schema constraint "
+        "(bench/schemas/people.json), interleaved on one server, and the mask's own cost",
+    )
+    parser.add_argument(
         "--second-turns",
         type=int,
         default=4,
@@ -1246,6 +1287,13 @@ def main() -> int:
         print(logprobs_table(results), flush=True)
         print(f"\nfull results: {out_file}", flush=True)
         return 0
+    if args.only_constrained:
+        results["constrained"] = constrained_section(args, Path(tempfile.mkdtemp()))
+        out_file = CACHE / "constrained.json"
+        out_file.write_text(json.dumps(results, indent=2))
+        print(constrained.table(results, SLOTS), flush=True)
+        print(f"\nfull results: {out_file}", flush=True)
+        return 0
     if not args.no_ceiling and not args.only_ray:
         log("in-process ceiling: the engine alone at 1 and 16 sequences")
         results["ceiling"] = ceiling(args.max_tokens, args.threads)
@@ -1257,6 +1305,9 @@ def main() -> int:
         binary = llama_server_binary()
         results["llama_server"] = str(binary)
         llama_server_section(args, levels, binary, gguf, results, tmp)
+    if not (args.no_constrained or args.only_ray or results.get("interrupted")):
+        log("structured outputs: plain and JSON-schema runs on one tokenmill, in turn")
+        results["constrained"] = constrained_section(args, tmp)
     if not args.no_ray and not results.get("interrupted"):
         if importlib.util.find_spec("ray") is None:
             log("ray not installed: no Ray runs (pip install 'tokenmill[ray]')")
@@ -1267,6 +1318,8 @@ def main() -> int:
     out_file.write_text(json.dumps(results, indent=2))
     if not args.only_ray:
         print(table(results), flush=True)
+    if "constrained" in results:
+        print(constrained.table(results, SLOTS), flush=True)
     if "ray" in results:
         print(ray_table(results), flush=True)
     print(f"\nfull results: {out_file}", flush=True)

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,18 @@ def test_bench_without_top_logprobs_counts_none(server: ServerProcess) -> None:
     report = json.loads(out.stdout)
     assert report["top_logprobs"] is None
     assert report["logprob_tokens"] == 0
+
+
+def test_bench_json_schema_constrains_every_request(server: ServerProcess, tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"enum": ["yes", "no"]}))
+    system = tmp_path / "system.txt"
+    system.write_text("Answer yes or no.")
+    args = [server.url, "--model", "smollm2", "-c", "2", "-n", "2", "--max-tokens", "16"]
+    out = run_bench(*args, "--json-schema", str(schema), "--system", str(system), "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["errors"] == 0, report["error_samples"]
+    assert report["json_schema"] == str(schema)
+    # ignore_eos asks for all 16 tokens; the grammar is whole after '"yes"' or '"no"'.
+    assert 0 < report["output_tokens"] <= 2 * 4

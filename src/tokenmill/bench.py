@@ -14,6 +14,10 @@ an SSE line is only JSON-decoded when it can carry text or usage.
 ``K`` likeliest alternatives (``logprobs: true, top_logprobs: K``), to measure what they
 cost; the report counts the tokens that came with one.
 
+``--json-schema FILE`` constrains every request to the JSON Schema in FILE
+(``response_format``), to measure what structured outputs cost; ``--system FILE``
+puts FILE's text before every prompt as a system message.
+
 ``--busy N`` runs N busy loops (processes at ordinary priority that only spin) for
 the duration of the run: how a server holds up on a host whose cores other work
 shares (a build, a log shipper, a neighbour's batch job).
@@ -103,10 +107,19 @@ def request_body(args: argparse.Namespace, prompt: str, index: int) -> dict[str,
         "ignore_eos": True,
         **SAMPLING,
     }
+    system = getattr(args, "system_text", None)
+    if system is not None:
+        body["messages"].insert(0, {"role": "system", "content": system})
     top = getattr(args, "top_logprobs", None)
     if top is not None:
         body["logprobs"] = True
         body["top_logprobs"] = top
+    schema = getattr(args, "schema", None)
+    if schema is not None:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": schema},
+        }
     return body
 
 
@@ -251,6 +264,9 @@ def summarize(
         "max_tokens": args.max_tokens,
         "busy": args.busy,
         "top_logprobs": getattr(args, "top_logprobs", None),
+        "json_schema": None
+        if getattr(args, "json_schema", None) is None
+        else str(args.json_schema),
         "completed": len(ok),
         "errors": len(errors),
         "error_samples": errors[:ERROR_SAMPLES],
@@ -309,6 +325,8 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     try:
         prompts = load_prompts(args.prompts)
+        args.schema = None if args.json_schema is None else json.loads(args.json_schema.read_text())
+        args.system_text = None if args.system is None else args.system.read_text()
     except (OSError, ValueError) as e:
         print(f"tokenmill bench: {e}", file=sys.stderr)
         return 2
@@ -354,6 +372,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         metavar="K",
         help="ask every request for logprobs with the K (0-20) likeliest alternatives",
+    )
+    p.add_argument(
+        "--json-schema",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="constrain every request to the JSON Schema in FILE (response_format)",
+    )
+    p.add_argument(
+        "--system",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a system message (FILE's text) before every prompt",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
