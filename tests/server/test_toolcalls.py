@@ -10,7 +10,13 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenmill.server.toolcalls import ArgumentsDelta, CallOpened, ContentDelta, ToolCallReader
+from tokenmill.server.toolcalls import (
+    ArgumentsDelta,
+    CallOpened,
+    ContentDelta,
+    MarkupReader,
+    ToolCallReader,
+)
 
 
 def read(pieces: list[str]) -> tuple[list[Any], ToolCallReader]:
@@ -174,3 +180,60 @@ def test_text_that_is_not_json_is_all_content(text: str, cuts: list[int]) -> Non
     if text.strip() and not text.lstrip().startswith("{"):
         assert reader.passthrough
         assert assembled(events) == (text, [])
+
+
+# -- a template's markup ------------------------------------------------------------------
+
+
+def read_markup(pieces: list[str]) -> tuple[list[Any], MarkupReader]:
+    reader = MarkupReader()
+    events: list[Any] = []
+    for p in pieces:
+        events += reader.feed(p)
+    events += reader.close()
+    return events, reader
+
+
+def test_markup_calls_stream_and_no_tag_reaches_the_content() -> None:
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    )
+    events, reader = read_markup(list(text))
+    assert reader.complete and reader.calls == 2
+    # The whitespace before a tag is no content.
+    assert assembled(events) == (
+        "Let me check.",
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
+    )
+    assert all("<" not in e.text for e in events if isinstance(e, ContentDelta))
+
+
+def test_a_tag_that_is_no_call_is_content() -> None:
+    events, _ = read_markup(["a <tool", "_call> not json", " b"])
+    assert assembled(events) == ("a <tool_call> not json b", [])
+    events, _ = read_markup(["x <tool_c", "ar> y"])
+    assert assembled(events) == ("x <tool_car> y", [])
+
+
+@given(
+    before=st.text(max_size=20).filter(lambda t: "<" not in t),
+    calls=st.lists(
+        st.tuples(names, st.dictionaries(st.text(max_size=8), json_values, max_size=3)),
+        max_size=3,
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=20),
+)
+def test_markup_matches_the_reference_for_any_split(
+    before: str, calls: list[tuple[str, dict[str, Any]]], cuts: list[int]
+) -> None:
+    tags = "\n".join(
+        f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls
+    )
+    text = before + ("\n" if before and calls else "") + tags
+    events, reader = read_markup(cut(text, cuts))
+    content, got = assembled(events)
+    assert reader.complete
+    assert content.strip() == before.strip()
+    assert [n for n, _ in got] == [n for n, _ in calls]
+    assert [json.loads(a) for _, a in got] == [a for _, a in calls]

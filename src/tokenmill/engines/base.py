@@ -120,17 +120,19 @@ class ChatMessage:
     role: str
     content: str
     # An assistant turn's calls; a tool turn's answer names its call (``tool_call_id``).
-    # Only an engine given ``GenerationRequest.tools`` sees them: for the others the
-    # server writes calls and results into ``content``.
+    # Set with ``GenerationRequest.tools`` only: otherwise the server has written calls
+    # and results into ``content``.
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
-    """Tools for an engine that passes them on to a server that calls them itself
-    (an upstream): OpenAI's ``tools`` and ``tool_choice`` as JSON text, and
-    ``parallel_tool_calls``. The calls come back as ``Chunk.tool_calls``."""
+    """OpenAI's ``tools`` and ``tool_choice`` as JSON text, and ``parallel_tool_calls``:
+    for an engine that passes them on to a server that calls tools itself (an
+    upstream; its calls come back as ``Chunk.tool_calls``), or that renders them with
+    a chat template that knows tools (the server reads the template's markup back out
+    of the text)."""
 
     tools: str
     choice: str | None = None
@@ -166,8 +168,8 @@ class GenerationRequest:
     prompt_tokens: tuple[int, ...] | None = None
     prompts: tuple[PromptItem, ...] | None = None
     n: int = 1
-    # Tools the engine passes on (``ToolSpec``); None for any engine that runs a model
-    # here, where tool calling is a constraint on the text.
+    # Tools passed on, or rendered by the chat template (``ToolSpec``); None where the
+    # server wrote them into the messages itself (a template that knows no tools).
     tools: ToolSpec | None = None
 
     def __post_init__(self) -> None:

@@ -7,13 +7,15 @@ the caller's 400, never a 500.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
 
-from tokenmill.engines.base import ChatMessage
+from tokenmill.engines.base import ChatMessage, ToolCall, ToolSpec
 from tokenmill.errors import InvalidRequestError
 
 
@@ -36,8 +38,13 @@ def render_chat(
     bos_token: str,
     eos_token: str,
     add_generation_prompt: bool = True,
+    tools: ToolSpec | None = None,
 ) -> str:
-    """Render ``messages``, with a generation prompt appended unless told not to."""
+    """Render ``messages``, with a generation prompt appended unless told not to.
+
+    ``tools`` (a template that knows tools: Hermes, Qwen...) are the template's
+    ``tools``, and a turn's calls its ``tool_calls`` in OpenAI's shape (arguments as
+    their JSON value, as Hugging Face templates read them)."""
     if not source:
         raise InvalidRequestError(
             "this model has no chat template; send 'chat_template' or use /v1/completions",
@@ -45,12 +52,32 @@ def render_chat(
         )
     try:
         return _compile_template(source).render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
+            messages=[_message(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
+            tools=None if tools is None else json.loads(tools.tools),
         )
     except jinja2.TemplateError as e:
         raise InvalidRequestError(
             f"the chat template failed to render: {e}", param="chat_template"
         ) from None
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": _value(c)}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _value(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments

@@ -92,7 +92,8 @@ class Vocab:
         assert request.messages is not None, "a prompt given as token ids has no text to render"
         source = request.chat_template or self.template
         add = request.add_generation_prompt if isinstance(request, TokenizeRequest) else True
-        return render_chat(source, request.messages, self.bos, self.eos, add)
+        tools = request.tools if isinstance(request, GenerationRequest) else None
+        return render_chat(source, request.messages, self.bos, self.eos, add, tools)
 
     def check_ids(self, tokens: Sequence[int], param: str) -> None:
         """Raise ``InvalidRequestError`` naming ``param`` for an id outside the vocabulary."""

@@ -38,7 +38,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.sse import DONE, encode_event
 from tokenmill.server.structured import instruct
-from tokenmill.server.tools import plan_tools
+from tokenmill.server.tools import chat_template, plan_tools
 
 Route = Literal["chat", "completion"]
 
@@ -302,7 +302,9 @@ async def open_generation(
         assert prompt is not None
         messages, prompt = [Message(role="user", content=prompt)], None
     sampling = body.sampling_params(body.max_tokens or 0)
-    tools = plan_tools(body, route, messages, deployment.config.engine, sampling.constraint)
+    template = await chat_template(body, deployment) if route == "chat" else None
+    engine = deployment.config.engine
+    tools = plan_tools(body, route, messages, engine, sampling.constraint, template)
     chat = None
     if tools is not None:
         chat = tools.messages
@@ -331,7 +333,7 @@ async def open_generation(
         # Imported here: tool_serving builds on this module.
         from tokenmill.server.tool_serving import ToolGeneration
 
-        kind = partial(ToolGeneration, forwarded=tools.spec is not None)
+        kind = partial(ToolGeneration, output=tools.output)
     return kind(
         route=route,
         stream=stream,

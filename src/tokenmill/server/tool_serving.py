@@ -9,8 +9,11 @@ answer goes out as ordinary ``content`` deltas. A choice that called tools ends 
 ``finish_reason: "tool_calls"`` (``length`` if ``max_tokens`` cut it short). Not
 streamed, the same reading gives ``message.tool_calls`` and ``content: null``.
 
-An upstream server's calls (``forwarded``) arrive as the chunks' ``tool_calls``
-already, with their ids, and go out in the same shape; its text is the content.
+A template that knows tools writes its calls in its own markup (``markup``: Hermes'
+``<tool_call>``), read by a :class:`~tokenmill.server.toolcalls.MarkupReader` that
+holds back anything that may be a tag, so no markup reaches the content. An upstream
+server's calls (``forwarded``) arrive as the chunks' ``tool_calls`` already, with
+their ids, and go out in the same shape; its text is the content.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from tokenmill.server.toolcalls import (
     ArgumentsDelta,
     CallOpened,
     ContentDelta,
+    MarkupReader,
     ToolCallReader,
     ToolEvent,
 )
+from tokenmill.server.tools import ToolOutput
 
 
 def call_id() -> str:
@@ -43,7 +48,7 @@ class _Answer:
     """One choice's answer while its text comes in. ``reader`` reads calls out of the
     text; without one (an engine that reports its calls) the text is the content."""
 
-    reader: ToolCallReader | None
+    reader: ToolCallReader | MarkupReader | None
     content: list[str] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)  # id, name, argument parts
     finished: bool = False
@@ -108,14 +113,18 @@ class _Answer:
 @dataclass
 class ToolGeneration(Generation):
     """A chat :class:`Generation` whose answer may be tool calls: read out of the text
-    (the generic format), or reported by the engine (``forwarded``: an upstream's)."""
+    (the generic format, or a template's markup), or reported by the engine
+    (``forwarded``: an upstream's)."""
 
-    forwarded: bool = False
+    output: ToolOutput = "generic"
 
     def _answers(self) -> dict[int, _Answer]:
-        return {
-            i: _Answer(None if self.forwarded else ToolCallReader()) for i in range(self.choices)
-        }
+        def reader() -> ToolCallReader | MarkupReader | None:
+            if self.output == "markup":
+                return MarkupReader()
+            return None if self.output == "forwarded" else ToolCallReader()
+
+        return {i: _Answer(reader()) for i in range(self.choices)}
 
     def _delta_frame(
         self, index: int, delta: dict[str, Any], finish_reason: str | None = None

@@ -29,7 +29,14 @@ import json
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
-__all__ = ["ArgumentsDelta", "CallOpened", "ContentDelta", "ToolCallReader", "ToolEvent"]
+__all__ = [
+    "ArgumentsDelta",
+    "CallOpened",
+    "ContentDelta",
+    "MarkupReader",
+    "ToolCallReader",
+    "ToolEvent",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +79,13 @@ _Parses = Generator[None, str, None]
 class ToolCallReader:
     """Reads the generic tool format incrementally. See the module docstring."""
 
-    def __init__(self) -> None:
-        self.calls = 0  # calls opened so far
+    def __init__(self, *, single_call: bool = False, first_index: int = 0) -> None:
+        # ``single_call``: the text is one call object (``{"name", "arguments"}``, as
+        # inside a template's ``<tool_call>`` markup), numbered ``first_index``.
+        self._single = single_call
+        self.calls = first_index  # calls opened so far (the next call's index)
         self.complete = False  # the object is closed: nothing more is read
+        self.rest = ""  # the text fed after the object closed
         self._events: list[ToolEvent] = []
         self._raw: list[str] = []  # every character fed, while nothing was reported
         self._reported = False
@@ -99,6 +110,7 @@ class ToolCallReader:
                 self._content(text[i:])
                 break
             if self.complete:
+                self.rest += text[i:]
                 break
             if not self._reported:
                 self._raw.append(ch)
@@ -194,7 +206,10 @@ class ToolCallReader:
     def _root(self) -> _Parses:
         ch = yield from self._skip_space()
         self._expect(ch, "{")
-        yield from self._members(self._root_member)
+        if self._single:
+            yield from self._call()
+        else:
+            yield from self._members(self._root_member)
 
     def _members(self, member: Callable[[str], _Parses]) -> _Parses:
         """An object's members after its ``{``, each value read by ``member(key)``."""
@@ -359,3 +374,107 @@ class ToolCallReader:
                 put("\ufffd")
                 high = None
             put(text)
+
+
+class MarkupReader:
+    """Reads a template's tool-call markup out of the text as it streams: Hermes'
+    (Qwen's and others') ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``.
+
+    Text outside the tags is content, but a piece that may be the start of a tag is
+    held back, like a stop string, so no markup ever reaches the content; so is
+    whitespace, until text follows it (the newlines between calls are no content).
+    A tag whose inside is not a call is given back as the content it was.
+    """
+
+    OPEN = "<tool_call>"
+    CLOSE = "</tool_call>"
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._held = ""  # text that may begin a tag, or only whitespace so far
+        self._call: ToolCallReader | None = None
+        self._closing = False  # a call was read: its closing tag comes next
+        self._events: list[ToolEvent] = []
+
+    @property
+    def complete(self) -> bool:
+        """Every call opened was read to its end."""
+        return self._call is None and not (self._closing and self._held)
+
+    @property
+    def passthrough(self) -> bool:
+        return False
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        buf = self._held + text
+        self._held = ""
+        while buf:
+            if self._call is not None:
+                buf = self._in_call(buf)
+            elif self._closing:
+                buf = self._close_tag(buf)
+            else:
+                buf = self._text(buf)
+        events, self._events = self._events, []
+        return events
+
+    def close(self) -> list[ToolEvent]:
+        if self._call is not None:
+            self._events += self._call.close()
+        elif not self._closing and self._held.strip():
+            self._events.append(ContentDelta(self._held))
+        self._held = ""
+        events, self._events = self._events, []
+        return events
+
+    def _text(self, buf: str) -> str:
+        at = buf.find(self.OPEN)
+        if at >= 0:
+            before = buf[:at]
+            if before.strip():
+                self._events.append(ContentDelta(before))
+            self._call = ToolCallReader(single_call=True, first_index=self.calls)
+            return buf[at + len(self.OPEN) :]
+        keep = _tag_start(buf, self.OPEN)
+        shown, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]
+        if shown.strip():
+            self._events.append(ContentDelta(shown))
+        elif shown:
+            self._held = shown + self._held
+        return ""
+
+    def _in_call(self, buf: str) -> str:
+        call = self._call
+        assert call is not None
+        events = call.feed(buf)
+        if call.passthrough:  # not a call after all: the tag and all are content
+            self._call = None
+            text = "".join(e.text for e in events if isinstance(e, ContentDelta))
+            self._events.append(ContentDelta(self.OPEN + text))
+            return ""
+        self._events += events
+        if not call.complete:
+            return ""
+        self.calls = call.calls
+        self._call = None
+        self._closing = True
+        return call.rest
+
+    def _close_tag(self, buf: str) -> str:
+        rest = buf.lstrip()
+        if rest.startswith(self.CLOSE):
+            self._closing = False
+            return rest[len(self.CLOSE) :]
+        if self.CLOSE.startswith(rest):
+            self._held = buf  # the tag may still be coming
+            return ""
+        self._closing = False  # no closing tag: what follows is text
+        return rest
+
+
+def _tag_start(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` may be the start of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,7 +1,15 @@
-"""Tool calling for models whose chat template knows no tools: the generic format.
+"""Tool calling: how a chat request with tools is rendered, constrained and read.
 
-SmolLM2's template (and many others) has no notion of tools, so tokenmill does what
-llama-server does for such models (its "generic" chat format):
+A chat template that knows tools (Hermes' markup, as Qwen's and Hermes' write it:
+``<tool_call>{"name", "arguments"}</tool_call>``) renders the tools and the turns
+itself (:class:`~tokenmill.engines.base.ToolSpec`), and its markup is read back out
+of the text (:class:`~tokenmill.server.toolcalls.MarkupReader`); ``required`` and a
+named function constrain the output to that markup around valid calls (a Lark
+grammar), ``auto`` leaves the model free. Which template: the request's
+``chat_template``, else the model's own (asked of a replica once per deployment).
+
+SmolLM2's template (and many others) has no notion of tools, so for those tokenmill
+does what llama-server does (its "generic" chat format):
 
 * the tools are described in a system message (the first one, or one put first),
   with how to answer: one JSON object, ``{"tool_calls": [{"name", "arguments"}]}``
@@ -9,7 +17,7 @@ llama-server does for such models (its "generic" chat format):
 * the output is constrained (:class:`~tokenmill.engines.base.Constraint`, a JSON
   Schema) to exactly that: a name from the list, arguments valid against that tool's
   ``parameters``, or an answer. ``tool_choice: "required"`` and a named function drop
-  the answer branch (a named one allows that tool only); ``parallel_tool_calls:
+  the answer branch (a named one allows one call of that tool); ``parallel_tool_calls:
   false`` allows one call; ``"none"`` leaves the output free and the tools out of
   the prompt;
 * the turns of an earlier exchange are written the same way: an assistant turn's
@@ -38,12 +46,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from tokenmill.engines.base import ChatMessage, Constraint, ToolCall, ToolSpec
 from tokenmill.errors import InvalidRequestError
+from tokenmill.gateway.deployment import Deployment
 from tokenmill.server.protocol import Message, SamplingFields
 from tokenmill.server.tool_protocol import NamedToolChoice, Tool, ToolFields
+
+ToolOutput = Literal["text", "generic", "markup", "forwarded"]
 
 # The schema of a function declared without ``parameters``: it takes no arguments.
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -57,11 +68,16 @@ class ToolPlan:
     # The generic format's schema (replacing the request's own constraint, which
     # becomes its answer branch's); None: the request's constraint stands.
     constraint: Constraint | None
-    # The answer may hold tool calls: read out of its text (the generic format), or
-    # as the engine's own calls (``spec``).
-    reads_calls: bool
-    # Tools passed on unchanged to an engine that forwards them (an upstream server).
+    # Where the answer's calls are: nowhere ("text"), in the generic format's JSON
+    # ("generic"), in the template's markup ("markup"), in the engine's own calls
+    # ("forwarded": an upstream's).
+    output: ToolOutput
+    # Tools the engine passes on unchanged (an upstream) or renders with the template.
     spec: ToolSpec | None = None
+
+    @property
+    def reads_calls(self) -> bool:
+        return self.output != "text"
 
 
 def plan_tools(
@@ -70,6 +86,7 @@ def plan_tools(
     messages: Sequence[Message] | None,
     engine: str,
     constraint: Constraint | None,
+    template: str | None = None,
 ) -> ToolPlan | None:
     """The plan of a request, or None when it involves no tools at all. Raises
     :class:`InvalidRequestError` (a 400 naming the field) for what cannot be served."""
@@ -101,24 +118,27 @@ def plan_tools(
         )
     offered = tools if active else []
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-    if named is not None:
+    if named is not None:  # one call of that function, as OpenAI makes it
         offered = [t for t in tools if t.function.name == named]
+        parallel = False
+    if knows_tools(template):
+        return _templated(body, tools if active else [], messages or (), named, parallel)
     rendered = _render(messages or ())
     if not active:
-        return ToolPlan(rendered, None, reads_calls=False)
+        return ToolPlan(rendered, None, output="text")
     answer = None if choice == "required" or named else _answer_schema(constraint)
     schema = generic_schema(offered, answer=answer, parallel=parallel)
     prompt = describe_tools(offered, answer=answer is not None, parallel=parallel, named=named)
     return ToolPlan(
         _with_system(rendered, prompt),
         Constraint("json_schema", json.dumps(schema), name="tool_calls", param="tools"),
-        reads_calls=True,
+        output="generic",
     )
 
 
-def _forwarded(body: SamplingFields, tools: list[Tool], messages: Sequence[Message]) -> ToolPlan:
-    """For a server that calls tools itself: the fields and the turns as they are."""
-    chat = tuple(
+def _turns(messages: Sequence[Message]) -> tuple[ChatMessage, ...]:
+    """The turns as they are, their calls and call ids included."""
+    return tuple(
         replace(
             m.to_chat_message(),
             tool_calls=tuple(
@@ -129,18 +149,93 @@ def _forwarded(body: SamplingFields, tools: list[Tool], messages: Sequence[Messa
         )
         for m in messages
     )
-    if not tools:
-        return ToolPlan(chat, None, reads_calls=False)
+
+
+def _spec(body: SamplingFields, tools: list[Tool]) -> ToolSpec:
     assert isinstance(body, ToolFields)
     choice = body.tool_choice
-    spec = ToolSpec(
+    return ToolSpec(
         tools=json.dumps([t.model_dump(exclude_none=True) for t in tools]),
         choice=None
         if choice is None
         else json.dumps(choice if isinstance(choice, str) else choice.model_dump()),
         parallel=body.parallel_tool_calls,
     )
-    return ToolPlan(chat, None, reads_calls=True, spec=spec)
+
+
+def _forwarded(body: SamplingFields, tools: list[Tool], messages: Sequence[Message]) -> ToolPlan:
+    """For a server that calls tools itself: the fields and the turns as they are."""
+    if not tools:
+        return ToolPlan(_turns(messages), None, output="text")
+    return ToolPlan(_turns(messages), None, output="forwarded", spec=_spec(body, tools))
+
+
+# How a template that knows tools writes a call: Hermes' markup (Qwen 2.5 and 3,
+# Hermes 2 and 3, and many fine-tunes of them).
+CALL_OPEN = "<tool_call>"
+
+
+def knows_tools(template: str | None) -> bool:
+    """Whether a chat template renders tools and writes calls in Hermes' markup."""
+    return template is not None and CALL_OPEN in template and "tools" in template
+
+
+def _templated(
+    body: SamplingFields,
+    tools: list[Tool],
+    messages: Sequence[Message],
+    named: str | None,
+    parallel: bool,
+) -> ToolPlan:
+    """For a template that knows tools: it renders them and the turns; its markup is
+    read back out of the text. ``required`` and a named function constrain the output
+    to that markup around valid calls; ``auto`` leaves the model free to call."""
+    if not tools:
+        return ToolPlan(_turns(messages), None, output="text")
+    assert isinstance(body, ToolFields)
+    constraint = None
+    if body.tool_choice == "required" or named is not None:
+        offered = [t for t in tools if named is None or t.function.name == named]
+        constraint = Constraint("lark", markup_grammar(offered, parallel), param="tools")
+    return ToolPlan(_turns(messages), constraint, output="markup", spec=_spec(body, tools))
+
+
+def markup_grammar(tools: Sequence[Tool], parallel: bool) -> str:
+    """A Lark grammar (llguidance's) of one or more calls in Hermes' markup."""
+    calls = generic_schema(tools, answer=None, parallel=True)["properties"]["tool_calls"]
+    call = {
+        "x-guidance": {
+            "whitespace_flexible": False,
+            "item_separator": ", ",
+            "key_separator": ": ",
+        },
+        **calls["items"],
+    }
+    repeat = ' ("\\n" call)*' if parallel else ""
+    return (
+        f"start: call{repeat}\n"
+        f'call: "{CALL_OPEN}\\n" args "\\n</tool_call>"\n'
+        f"args: %json {json.dumps(call)}\n"
+    )
+
+
+async def chat_template(body: SamplingFields, deployment: Deployment) -> str | None:
+    """The template a chat with tools is rendered with, when the server must know it
+    (does it know tools?): the request's own, else the model's (asked once)."""
+    if not (isinstance(body, ToolFields) and body.tools):
+        return None
+    if body.chat_template is not None:
+        return body.chat_template
+    if deployment.config.engine != "llamacpp":
+        return None
+    if deployment.id not in _TEMPLATES:
+        host = await deployment.any_host()
+        _TEMPLATES[deployment.id] = (await host.tokenizer_info()).chat_template
+    return _TEMPLATES[deployment.id]
+
+
+# Each deployment's own chat template, by deployment id: its model's, fixed.
+_TEMPLATES: dict[str, str | None] = {}
 
 
 def _check_tools(tools: list[Tool], choice: Any) -> None:
