@@ -129,6 +129,30 @@ def test_non_streamed_settles_exactly(metered: ServerProcess, adm: httpx.Client)
     assert (state["balance"], state["held"]) == (10**6 - r["charged"], 0)
 
 
+def test_constrained_stream_settles_exactly(metered: ServerProcess, adm: httpx.Client) -> None:
+    # Constrained tokens are tokens: the grammar ends the answer early (stop), the
+    # schema the gateway adds to the prompt is counted, and all of it is charged.
+    acc = new_account(adm, "constrained", 10**6)
+    _, key = new_key(adm, acc)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "ok", "schema": schema}}
+    with client_for(metered, key) as user:
+        plain = user.post("/v1/chat/completions", json=chat(40))
+        resp = user.post("/v1/chat/completions", json={**chat(40), "response_format": rf})
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        r = receipt(user, resp.headers["x-request-id"])
+    assert json.loads(body["choices"][0]["message"]["content"])["ok"] in (True, False)
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
+    assert (r["prompt_tokens"], r["completion_tokens"]) == (
+        body["usage"]["prompt_tokens"],
+        body["usage"]["completion_tokens"],
+    )
+    assert r["charged"] == expected_charge(r) > 0
+    assert account(adm, acc)["held"] == 0
+
+
 def test_streamed_settles_exactly(metered: ServerProcess, adm: httpx.Client) -> None:
     acc = new_account(adm, "stream", 10**6)
     _, key = new_key(adm, acc)
