@@ -562,6 +562,36 @@ def test_a_template_that_knows_tools_renders_calls_and_results(http: httpx.Clien
     assert data["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"] + 20
 
 
+def test_a_template_markup_and_a_response_format_are_not_both_asked(
+    http: httpx.Client,
+) -> None:
+    body = ask("Hi", tools=[WEATHER], chat_template=HERMES_TEMPLATE)
+    r = http.post(CHAT, json={**body, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_the_answer_beside_tools_follows_the_response_format(http: httpx.Client) -> None:
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    body = ask(
+        "Describe a made-up person.",
+        tools=[WEATHER],
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
+    )
+    choice = answer(http, body)["choices"][0]
+    if choice["message"].get("tool_calls"):
+        for call in choice["message"]["tool_calls"][
+            : -1 if choice["finish_reason"] == "length" else None
+        ]:
+            check_call(call, [WEATHER])
+    else:
+        assert choice["finish_reason"] == "stop", choice
+        jsonschema.validate(json.loads(choice["message"]["content"]), person)
+
+
 # -- real clients -----------------------------------------------------------------------
 
 

@@ -122,13 +122,23 @@ def plan_tools(
         offered = [t for t in tools if t.function.name == named]
         parallel = False
     if knows_tools(template):
+        if active and constraint is not None:
+            # The template's markup and a response format cannot both hold the text.
+            raise InvalidRequestError(
+                "this model's template writes tool calls in its own markup, which a "
+                f"{constraint.kind} constraint would forbid; send tools or the "
+                "constraint, not both (or tool_choice 'none')",
+                param=constraint.param,
+            )
         return _templated(body, tools if active else [], messages or (), named, parallel)
     rendered = _render(messages or ())
     if not active:
         return ToolPlan(rendered, None, output="text")
     answer = None if choice == "required" or named else _answer_schema(constraint)
     schema = generic_schema(offered, answer=answer, parallel=parallel)
-    prompt = describe_tools(offered, answer=answer is not None, parallel=parallel, named=named)
+    prompt = describe_tools(
+        offered, answer=answer is not None, parallel=parallel, named=named, answer_schema=answer
+    )
     return ToolPlan(
         _with_system(rendered, prompt),
         Constraint("json_schema", json.dumps(schema), name="tool_calls", param="tools"),
@@ -338,9 +348,15 @@ def generic_schema(
 
 
 def describe_tools(
-    tools: Sequence[Tool], *, answer: bool, parallel: bool, named: str | None
+    tools: Sequence[Tool],
+    *,
+    answer: bool,
+    parallel: bool,
+    named: str | None,
+    answer_schema: dict[str, Any] | None = None,
 ) -> str:
-    """The system prompt's part that offers the tools and says how to answer."""
+    """The system prompt's part that offers the tools and says how to answer (with
+    ``answer_schema``, a reply that is JSON following it: a response_format)."""
     lines = [
         json.dumps(
             {
@@ -357,9 +373,13 @@ def describe_tools(
     if named is not None:
         ask = f"Call the tool {named!r}, answering with one JSON object: {shape}"
     elif answer:
+        reply = '"<your reply>"'
+        if answer_schema is not None and answer_schema != {"type": "string"}:
+            schema = json.dumps(answer_schema, ensure_ascii=False)
+            reply = f"<your reply, JSON following this schema: {schema}>"
         ask = (
             f"Answer with one JSON object: to call tools ({how}), {shape}; to reply to "
-            'the user directly, {"response": "<your reply>"}.'
+            f'the user directly, {{"response": {reply}}}.'
         )
     else:
         ask = f"Call tools ({how}), answering with one JSON object: {shape}"
