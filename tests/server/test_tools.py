@@ -4,12 +4,11 @@ tools: the generic format, constrained by a JSON schema)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from tests.conftest import ServerProcess
@@ -470,106 +469,6 @@ upstream_model = "smollm2"
         assert without_ids(again) == without_ids(answer(http, follow)["choices"][0]["message"])
 
 
-# A chat template that knows tools (Hermes' markup, as Qwen's): SmolLM2's own with
-# the tools, calls and results written the way Qwen 2.5's template writes them.
-HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-
-For each function call, return a json object with function name and arguments
-within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == 'system' and loop.first %}
-{%- elif message.role == 'assistant' and message.tool_calls is defined %}<|im_start|>assistant
-{% if message.content %}{{ message.content }}
-{% endif %}{% for tc in message.tool_calls %}<tool_call>
-{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
-</tool_call>{% if not loop.last %}
-
-{% endif %}{% endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}
-"""
-
-
-def test_a_template_that_knows_tools_renders_them_and_its_markup_is_read(
-    http: httpx.Client,
-) -> None:
-    tools = [WEATHER, CONVERT]
-    body = ask(
-        "What is the weather in Kyoto?",
-        tools=tools,
-        tool_choice="required",
-        chat_template=HERMES_TEMPLATE,
-    )
-    whole = answer(http, body)
-    choice = whole["choices"][0]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
-    for call in choice["message"]["tool_calls"]:
-        check_call(call, tools)
-    got = reassemble(stream(http, body))
-    assert without_ids(got["message"]) == without_ids(choice["message"])
-    # The template wrote the tools into the prompt.
-    bare = answer(http, {**body, "tools": None, "tool_choice": None, "max_tokens": 1})
-    assert whole["usage"]["prompt_tokens"] > bare["usage"]["prompt_tokens"] + 50
-    # A named function: one call of it, in the markup.
-    named = {"type": "function", "function": {"name": "convert_currency"}}
-    calls = answer(http, {**body, "tool_choice": named})["choices"][0]["message"]["tool_calls"]
-    assert [c["function"]["name"] for c in calls] == ["convert_currency"]
-    check_call(calls[0], tools)
-
-
-def test_a_template_that_knows_tools_renders_calls_and_results(http: httpx.Client) -> None:
-    call = {
-        "id": "call_k1",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Kyoto"}'},
-    }
-    history = [
-        {"role": "user", "content": "What is the weather in Kyoto?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_k1", "content": "light rain, 14 degrees"},
-    ]
-    body = ask("", tools=[WEATHER], chat_template=HERMES_TEMPLATE)
-    first = answer(http, {**body, "messages": history[:1]})
-    data = answer(http, {**body, "messages": history})
-    choice = data["choices"][0]
-    # auto: SmolLM2 writes no markup of its own, so it answers in text, and no tag
-    # reaches the content.
-    assert "<tool_call>" not in (choice["message"]["content"] or "")
-    assert data["usage"]["prompt_tokens"] > first["usage"]["prompt_tokens"] + 20
-
-
-def test_a_template_markup_and_a_response_format_are_not_both_asked(
-    http: httpx.Client,
-) -> None:
-    body = ask("Hi", tools=[WEATHER], chat_template=HERMES_TEMPLATE)
-    r = http.post(CHAT, json={**body, "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
-
-
 def test_the_answer_beside_tools_follows_the_response_format(http: httpx.Client) -> None:
     person = {
         "type": "object",
@@ -590,94 +489,3 @@ def test_the_answer_beside_tools_follows_the_response_format(http: httpx.Client)
     else:
         assert choice["finish_reason"] == "stop", choice
         jsonschema.validate(json.loads(choice["message"]["content"]), person)
-
-
-# -- real clients -----------------------------------------------------------------------
-
-
-def chat_openai(server: ServerProcess) -> Any:
-    from langchain_openai import ChatOpenAI
-
-    return ChatOpenAI(
-        base_url=server.base_url,
-        api_key="unused",  # type: ignore[arg-type]
-        model="smollm2",
-        max_tokens=96,  # type: ignore[call-arg]
-        temperature=0,
-        max_retries=0,
-    )
-
-
-@pytest.fixture
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as c:
-        yield c
-
-
-def test_openai_sdk_stream_accumulates_to_the_same_call(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = {
-        "model": "smollm2",
-        "messages": [{"role": "user", "content": "Convert 120 GBP to USD."}],
-        "tools": [CONVERT],
-        "tool_choice": "required",
-        "temperature": 0,
-        "seed": 3,
-        "max_tokens": 96,
-    }
-    whole = client.chat.completions.create(**kwargs)
-    with client.chat.completions.stream(**kwargs) as s:
-        final = s.get_final_completion()
-    a, b = whole.choices[0], final.choices[0]
-    assert a.finish_reason == b.finish_reason == "tool_calls"
-    assert a.message.tool_calls and b.message.tool_calls
-    assert [(c.function.name, c.function.arguments) for c in a.message.tool_calls] == [
-        (c.function.name, c.function.arguments) for c in b.message.tool_calls
-    ]
-
-
-def test_langchain_bind_tools(server: ServerProcess) -> None:
-    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-
-    @tool
-    def get_weather(city: str) -> str:
-        """The current weather of a city."""
-        return f"sunny in {city}"
-
-    llm = chat_openai(server)
-    bound = llm.bind_tools([get_weather], tool_choice="required")
-    question = HumanMessage("What's the weather in Vienna?")
-    reply = bound.invoke([question])
-    assert isinstance(reply, AIMessage) and reply.tool_calls
-    call = reply.tool_calls[0]
-    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
-    # Streamed: the chunks add up to the same call.
-    total: Any = None
-    for chunk in bound.stream([question]):
-        total = chunk if total is None else total + chunk
-    assert total is not None and [(c["name"], c["args"]) for c in total.tool_calls] == [
-        (call["name"], call["args"])
-    ]
-    # The tool's result goes back, and the model carries on from it.
-    result = ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])
-    follow = llm.bind_tools([get_weather]).invoke([question, reply, result])
-    assert isinstance(follow, AIMessage)
-    assert follow.content or follow.tool_calls
-
-
-@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
-def test_langchain_with_structured_output(server: ServerProcess, method: str) -> None:
-    from pydantic import BaseModel, Field
-
-    class Person(BaseModel):
-        """Someone mentioned in the text."""
-
-        name: str
-        age: int = Field(ge=0, le=150)
-        city: str
-
-    llm = chat_openai(server)
-    # By a named tool (function_calling) or by response_format (json_schema).
-    structured = llm.with_structured_output(Person, method=method)
-    person = structured.invoke("Maria is 34 years old and lives in Porto.")
-    assert isinstance(person, Person)

@@ -250,7 +250,7 @@ class ToolCallReader:
             # A structured answer: its JSON text is the content.
             yield from self._reported_value(ch, self._content)
         else:
-            yield from self._skip_value(ch)
+            yield from self._value(ch)
 
     def _call(self) -> _Parses:
         """A call object after its ``{``: its name, then its arguments as they come."""
@@ -276,7 +276,7 @@ class ToolCallReader:
             elif key == "arguments":
                 yield from self._reported_value(ch, early.append)
             else:
-                yield from self._skip_value(ch)
+                yield from self._value(ch)
 
         yield from self._members(member)
         if name is None:
@@ -291,9 +291,6 @@ class ToolCallReader:
         finally:
             self._flush()
             self._capture = self._sink = None
-
-    def _skip_value(self, first: str) -> _Parses:
-        yield from self._value(first)
 
     def _value(self, ch: str) -> _Parses:
         """The rest of a JSON value whose first character was ``ch``. Its inner
@@ -400,10 +397,6 @@ class MarkupReader:
     def complete(self) -> bool:
         """Every call opened was read to its end."""
         return self._call is None and not (self._closing and self._held)
-
-    @property
-    def passthrough(self) -> bool:
-        return False
 
     def feed(self, text: str) -> list[ToolEvent]:
         buf = self._held + text
