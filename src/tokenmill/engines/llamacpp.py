@@ -546,10 +546,15 @@ class LlamaCppEngine:
                     if self._stop:
                         break
                     admitted = self._admit_locked()
-                    aborts, self._aborts = self._aborts, set()
+                    aborts: set[str] = _NO_ABORTS
+                    if self._aborts:
+                        aborts, self._aborts = self._aborts, set()
                 events: list[tuple[_Sequence, Chunk | BaseException]] = []
-                # When this round takes every free slot, no step will see a gap.
-                fills = len(admitted) == sum(1 for slot in self._slots if slot.seq is None)
+                # When this round takes every free slot, no step will see a gap. (Not
+                # counted on the steps that admit nothing: most of them.)
+                fills = bool(admitted) and len(admitted) == sum(
+                    1 for slot in self._slots if slot.seq is None
+                )
                 for i, seq in enumerate(admitted):
                     # Requests about to need a slot: this round's rest and the queue.
                     waiting = len(admitted) - i - 1 + len(self._inbox)
@@ -608,6 +613,8 @@ class LlamaCppEngine:
     def _admit_locked(self) -> list[_Sequence]:
         """Requests, first come first served, while all of a request's choices fit."""
         admitted: list[_Sequence] = []
+        if not self._inbox:
+            return admitted
         free = sum(1 for s in self._slots if s.seq is None)
         while self._inbox and free >= len(self._inbox[0].members):
             group = self._inbox.popleft()
@@ -882,6 +889,10 @@ class LlamaCppEngine:
 
     def _post(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
         self._sink([(seq.request_id, item) for seq, item in events])
+
+
+# The aborts of a step that has none (never added to: cancel() adds to engine._aborts).
+_NO_ABORTS: set[str] = set()
 
 
 def _by_slot(seq: _Sequence) -> int:

@@ -61,6 +61,9 @@ class Vocab:
         self.eos = self.token_text(ll.llama_vocab_eos(self.handle))
         self.n_tokens = ll.llama_vocab_n_tokens(self.handle)
         self._piece_buf = ctypes.create_string_buffer(256)
+        # token -> piece: at most the vocabulary, a few MB.
+        self._pieces: dict[int, bytes] = {}
+        self._special_pieces: dict[int, bytes] = {}
 
     def token_text(self, token: int) -> str:
         if token < 0:
@@ -131,13 +134,19 @@ class Vocab:
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
         """The bytes one token stands for (possibly part of a UTF-8 character);
-        ``special`` writes control tokens out (``<|im_start|>``), else they are empty."""
+        ``special`` writes control tokens out (``<|im_start|>``), else they are empty.
+        Each is asked of llama.cpp once (the decode loop asks for every token)."""
+        cache = self._special_pieces if special else self._pieces
+        piece = cache.get(token)
+        if piece is not None:
+            return piece
         buf = self._piece_buf
         n = ll.llama_token_to_piece(self.handle, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = ll.llama_token_to_piece(self.handle, token, buf, len(buf), 0, special)
-        return buf.raw[:n]
+        piece = cache[token] = buf.raw[:n]
+        return piece
 
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.handle, token))

@@ -138,8 +138,10 @@ class RequestStream:
                 now = time.monotonic()
                 if rec.ttft_s is None and (chunk.text or chunk.finish_reason):
                     rec.ttft_s = now - rec.started
-                    if stream.marks is not None:  # the replica's own
+                    if stream.marks is not None:  # the replica's own, and when read
                         rec.marks.update(stream.marks)
+                    else:  # a replica on another clock sent none
+                        rec.marks["received"] = now
                 if chunk.tokens > rec.completion_tokens:
                     rec.completion_tokens = chunk.tokens
                 if chunk.usage is not None:
