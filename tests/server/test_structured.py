@@ -373,6 +373,8 @@ def stream_text(http: httpx.Client, messages: list[dict[str, str]], **body: Any)
         ("grammar", "root ::= undefined_rule", "GBNF"),
         ("guided_regex", "a(b", "regular expression"),
         ("guided_choice", [], "guided_choice"),
+        ("guided_json", "not json", "JSON object"),
+        ("guided_json", "[1]", "JSON object"),
         ("structured_outputs", {"regex": "a", "choice": ["b"]}, "one of"),
     ],
 )

@@ -18,7 +18,7 @@ import json
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenmill.engines.base import ChatMessage, Constraint
 
@@ -62,6 +62,11 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(default=None, min_length=1)
     grammar: str | None = None
 
+    @field_validator("json_", mode="after")
+    @classmethod
+    def _json_schema(cls, v: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        return _schema_object(v)
+
     @model_validator(mode="after")
     def _one_part(self) -> StructuredOutputs:
         self.constraint()
@@ -83,6 +88,19 @@ class StructuredOutputs(BaseModel):
         if not given:
             return None
         return replace(given[0], param="structured_outputs")
+
+
+def _schema_object(v: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """A schema sent as JSON text (vLLM takes either), as the object it stands for."""
+    if not isinstance(v, str):
+        return v
+    try:
+        schema = json.loads(v)
+    except ValueError:
+        raise ValueError("a JSON schema as text must be a JSON object") from None
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema as text must be a JSON object")
+    return schema
 
 
 def _schema(value: dict[str, Any] | str, param: str, name: str = "") -> Constraint:
@@ -120,6 +138,11 @@ class StructuredFields(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="vLLM's: one of json, regex, choice, grammar"
     )
+
+    @field_validator("guided_json", mode="after")
+    @classmethod
+    def _json_schema(cls, v: dict[str, Any] | str | None) -> dict[str, Any] | None:
+        return _schema_object(v)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> StructuredFields:
