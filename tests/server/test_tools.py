@@ -467,6 +467,10 @@ upstream_model = "smollm2"
         follow = {**body, "messages": history, "tool_choice": "auto"}
         again = answer(proxied, {**follow, "model": "proxied"})["choices"][0]["message"]
         assert without_ids(again) == without_ids(answer(http, follow)["choices"][0]["message"])
+        metrics = proxied.get("/metrics").text
+    # Each of the three requests had its first token measured (calls count as output).
+    count = 'tokenmill_time_to_first_token_seconds_count{deployment="proxied"}'
+    assert f"{count} 3.0" in metrics, [m for m in metrics.splitlines() if "_count" in m]
 
 
 def test_the_answer_beside_tools_follows_the_response_format(http: httpx.Client) -> None:

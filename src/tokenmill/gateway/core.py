@@ -136,7 +136,8 @@ class RequestStream:
             stream = self.start()
             async for chunk in stream:
                 now = time.monotonic()
-                if rec.ttft_s is None and (chunk.text or chunk.finish_reason):
+                output = bool(chunk.text or chunk.tool_calls)  # an upstream's calls too
+                if rec.ttft_s is None and (output or chunk.finish_reason):
                     rec.ttft_s = now - rec.started
                     if stream.marks is not None:  # the replica's own, and when read
                         rec.marks.update(stream.marks)
@@ -152,7 +153,7 @@ class RequestStream:
                     break
                 if chunk.finish_reason is not None:
                     rec.finish_reason = chunk.finish_reason
-                if chunk.text:
+                if output:
                     for o in observers:
                         o.on_tokens(rec, now)
                 yield chunk
