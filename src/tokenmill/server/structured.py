@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.engines.base import ChatMessage, Constraint
 
@@ -52,20 +52,32 @@ class ResponseFormat(BaseModel):
         return self
 
 
+def _schema_object(v: dict[str, Any] | str) -> dict[str, Any]:
+    """A schema sent as JSON text (vLLM takes either), as the object it stands for."""
+    if not isinstance(v, str):
+        return v
+    try:
+        schema = json.loads(v)
+    except ValueError:
+        raise ValueError("a JSON schema as text must be a JSON object") from None
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema as text must be a JSON object")
+    return schema
+
+
+# A JSON Schema sent as an object or as its JSON text (vLLM takes either): the object.
+SchemaObject = Annotated[dict[str, Any] | str, AfterValidator(_schema_object)]
+
+
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``grammar``."""
 
     model_config = ConfigDict(extra="ignore")
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: SchemaObject | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(default=None, min_length=1)
     grammar: str | None = None
-
-    @field_validator("json_", mode="after")
-    @classmethod
-    def _json_schema(cls, v: dict[str, Any] | str | None) -> dict[str, Any] | None:
-        return _schema_object(v)
 
     @model_validator(mode="after")
     def _one_part(self) -> StructuredOutputs:
@@ -90,19 +102,6 @@ class StructuredOutputs(BaseModel):
         return replace(given[0], param="structured_outputs")
 
 
-def _schema_object(v: dict[str, Any] | str | None) -> dict[str, Any] | None:
-    """A schema sent as JSON text (vLLM takes either), as the object it stands for."""
-    if not isinstance(v, str):
-        return v
-    try:
-        schema = json.loads(v)
-    except ValueError:
-        raise ValueError("a JSON schema as text must be a JSON object") from None
-    if not isinstance(schema, dict):
-        raise ValueError("a JSON schema as text must be a JSON object")
-    return schema
-
-
 def _schema(value: dict[str, Any] | str, param: str, name: str = "") -> Constraint:
     text = value if isinstance(value, str) else json.dumps(value)
     return Constraint("json_schema", text, name=name, param=param)
@@ -123,7 +122,7 @@ class StructuredFields(BaseModel):
     json_schema: dict[str, Any] | None = Field(
         default=None, description="a JSON Schema the output follows (llama-server's)"
     )
-    guided_json: dict[str, Any] | str | None = Field(
+    guided_json: SchemaObject | None = Field(
         default=None, description="a JSON Schema the output follows (vLLM's)"
     )
     guided_regex: str | None = Field(
@@ -138,11 +137,6 @@ class StructuredFields(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(
         default=None, description="vLLM's: one of json, regex, choice, grammar"
     )
-
-    @field_validator("guided_json", mode="after")
-    @classmethod
-    def _json_schema(cls, v: dict[str, Any] | str | None) -> dict[str, Any] | None:
-        return _schema_object(v)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> StructuredFields:
