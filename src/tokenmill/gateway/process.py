@@ -29,7 +29,30 @@ from tokenmill.gateway.wire import encode_frame, read_frame
 log = logging.getLogger("tokenmill.gateway.process")
 
 
-class ProcessChannel:
+class SocketChannel:
+    """The gateway's end of a stream socket carrying :mod:`tokenmill.gateway.wire`'s
+    length-prefixed frames: what a process replica (its socket pair) and a Ray replica
+    (its TCP connection, :mod:`tokenmill.gateway.rayhost`) share. End of stream, or the
+    socket closed here (``close_socket``), reads as None."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._writer.is_closing():
+            raise EngineError("the replica is gone; retry the request")
+        self._writer.write(encode_frame(message))
+
+    async def receive(self) -> dict[str, Any] | None:
+        return await read_frame(self._reader)
+
+    def close_socket(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.close()
+
+
+class ProcessChannel(SocketChannel):
     """A child process and its end of the socket pair."""
 
     # The child's time.monotonic() is the same clock as ours (tokenmill.stages).
@@ -41,21 +64,11 @@ class ProcessChannel:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:
+        super().__init__(reader, writer)
         self.proc = proc
-        self._reader = reader
-        self._writer = writer
-
-    def send(self, message: dict[str, Any]) -> None:
-        if self._writer.is_closing():
-            raise EngineError("the replica process is gone; retry the request")
-        self._writer.write(encode_frame(message))
-
-    async def receive(self) -> dict[str, Any] | None:
-        return await read_frame(self._reader)
 
     def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            self._writer.close()
+        self.close_socket()
         if self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
@@ -112,4 +125,4 @@ class ProcessLauncher:
         pass  # nothing outlives a replica process
 
 
-__all__ = ["ProcessChannel", "ProcessLauncher"]
+__all__ = ["ProcessChannel", "ProcessLauncher", "SocketChannel"]

@@ -4,7 +4,8 @@ Builds the engine of one deployment config section, then answers the frames of
 :mod:`tokenmill.gateway.wire` until the gateway says ``close`` or is gone, so an
 orphaned replica never lingers. A replica process runs it as ``python -m
 tokenmill.gateway.runner`` over the socket inherited as ``--fd``; a Ray actor
-(:mod:`tokenmill.gateway.ray`) runs the same loop over Ray calls.
+(:mod:`tokenmill.gateway.rayhost`) runs the same loop over a TCP connection to its
+gateway (:func:`serve_stream`, both).
 
 An engine with a step sink (``set_step_sink`` / ``submit`` / ``cancel``, as the
 llama.cpp engine has) hands each decode step's chunks to the sink on its decode
@@ -33,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+from asyncio.trsock import TransportSocket
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -82,7 +84,7 @@ class FrameWriter:
     the read side sees EOF and the process exits.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket | TransportSocket) -> None:
         self._fd = sock.fileno()
         self._lock = threading.Lock()
         self.closed = False
@@ -344,19 +346,29 @@ async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> 
     return 0
 
 
-async def serve_socket(fd: int, section: dict[str, Any]) -> int:
-    """A replica process: frames over the socket inherited as ``--fd``."""
-    sock = socket.socket(fileno=fd)
-    reader, writer = await asyncio.open_unix_connection(sock=sock)
+async def serve_stream(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, section: dict[str, Any]
+) -> int:
+    """A replica over a stream socket, closed when it ends: frames read by ``reader``,
+    written by a :class:`FrameWriter` on the same socket (from the decode thread too).
+    A replica process's inherited socket, or a Ray actor's TCP connection to its
+    gateway (:mod:`tokenmill.gateway.rayhost`)."""
 
     async def receive() -> dict[str, Any] | None:
         return await read_frame(reader)
 
     try:
-        return await serve(receive, FrameWriter(sock), section)
+        return await serve(receive, FrameWriter(writer.get_extra_info("socket")), section)
     finally:
         with contextlib.suppress(Exception):
             writer.close()
+
+
+async def serve_socket(fd: int, section: dict[str, Any]) -> int:
+    """A replica process: frames over the socket inherited as ``--fd``."""
+    sock = socket.socket(fileno=fd)
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    return await serve_stream(reader, writer, section)
 
 
 def main(argv: list[str] | None = None) -> int:
