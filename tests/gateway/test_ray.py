@@ -5,13 +5,15 @@ A real Ray cluster runs on this machine (``ray_cluster``); gateways join it by
 replica's actor dying ends its streams with an error event and ``[DONE]``, a node
 dying moves the replica to a surviving node, and a client leaving stops generation.
 One test serves the real model from a Ray actor on a second node, beside a
-process replica of the same model. One drives a channel to an actor directly, in this
-process: frame order both ways, and its reader thread ending with it.
+process replica of the same model. The rest drive an actor directly, in this
+process: frame order both ways over its channel, the secret its connection needs,
+and its channel ending when Ray says it died, even with its socket still open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,6 +25,9 @@ from tests.conftest import RayCluster, ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
 from tests.sse import DONE, events, text, to_done
 from tests.waiting import HANG_S, wait_until
+from tokenmill.config import ReplicatedDeployment
+from tokenmill.errors import EngineError
+from tokenmill.gateway.wire import encode_frame, read_frame
 
 PROMPT = "Tell a long story."  # 4 words: 4 prompt tokens for the scripted engine
 
@@ -227,25 +232,27 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
             ray_cluster.remove_node(node_b)
 
 
-def test_a_ray_channel_keeps_frame_order_and_its_reader_thread_ends_with_it(
-    driver: EngineDriver, ray_cluster: RayCluster
-) -> None:
-    from tokenmill.config import ReplicatedDeployment, parse_section
-    from tokenmill.errors import EngineError
-    from tokenmill.gateway.rayhost import RayLauncher
+def scripted_on_ray(driver: EngineDriver) -> ReplicatedDeployment:
+    from tokenmill.config import parse_section
 
     keys = {"id": "scripted", "engine": "scripted", "control": str(driver.path)}
     section = parse_section({**keys, "placement": "ray", "ray_num_cpus": 0.5})
     assert isinstance(section, ReplicatedDeployment)
+    return section
+
+
+def test_a_ray_channel_keeps_frame_order_and_ends_with_its_actor(
+    driver: EngineDriver, ray_cluster: RayCluster
+) -> None:
+    from tokenmill.gateway.rayhost import RayLauncher
 
     async def scenario() -> None:
-        launcher = RayLauncher(section, ray_cluster.address)
+        launcher = RayLauncher(scripted_on_ray(driver), ray_cluster.address)
         channel = await launcher.launch()
         try:
             first = await channel.receive()
             assert first is not None and first["op"] == "ready", first
-            # 20 calls queued in one pass of the loop leave in one Ray call; each is
-            # answered (a text, or an error frame with its id), in the order sent.
+            # Each call is answered (a text, or an error frame with its id), in order.
             for i in range(20):
                 channel.send({"op": "detokenize", "id": f"c{i}", "tokens": [i]})
             answered: list[str] = []
@@ -257,8 +264,8 @@ def test_a_ray_channel_keeps_frame_order_and_its_reader_thread_ends_with_it(
             assert answered == [f"c{i}" for i in range(20)]
             channel.kill()
             assert await asyncio.wait_for(channel.wait(), HANG_S) == "killed by the gateway"
-            assert not channel._reader.is_alive()  # wait() returned after the thread ended
-            assert await channel.receive() is None
+            while await channel.receive() is not None:  # what had come before the kill
+                pass
             with pytest.raises(EngineError):
                 channel.send({"op": "ping"})
         finally:
@@ -267,3 +274,82 @@ def test_a_ray_channel_keeps_frame_order_and_its_reader_thread_ends_with_it(
             await launcher.close()
 
     asyncio.run(scenario())
+
+
+def test_a_ray_actor_serves_only_the_connection_that_brings_its_secret(
+    driver: EngineDriver, ray_cluster: RayCluster
+) -> None:
+    import ray
+
+    from tokenmill.gateway.rayhost import ReplicaActor, acquire_ray, release_ray
+
+    async def closed_at_once(address: str, port: int, first: bytes) -> None:
+        reader, writer = await asyncio.open_connection(address, port)
+        writer.write(first)
+        assert await reader.read() == b""  # closed, without a frame
+        writer.close()
+
+    async def scenario() -> None:
+        section = scripted_on_ray(driver).model_dump(mode="json")
+        actor: Any = ray.remote(ReplicaActor).options(num_cpus=0.5).remote(section, "INFO", 0, "s")
+        try:
+            _, _, address, port = await actor.open.remote()
+            await closed_at_once(address, port, encode_frame({"op": "hello", "secret": "t"}))
+            await closed_at_once(address, port, encode_frame({"op": "ping"}))
+            await closed_at_once(address, port, b"\xff\xff\xff\xff")  # 4 GiB to come
+            assert driver.seen("hello") == 0  # no engine started for any of them
+            reader, writer = await asyncio.open_connection(address, port)
+            writer.write(encode_frame({"op": "hello", "secret": "s"}))
+            first = await read_frame(reader)
+            assert first is not None and first["op"] == "ready", first
+            assert driver.seen("hello") == 1
+            # Accepted: the actor listens no more.
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection(address, port)
+            writer.write(encode_frame({"op": "close"}))
+            assert await read_frame(reader) is None
+            assert await actor.ended.remote() == 0
+            writer.close()
+        finally:
+            ray.kill(actor, no_restart=True)
+
+    acquire_ray(ray_cluster.address)
+    try:
+        asyncio.run(scenario())
+    finally:
+        release_ray()
+
+
+def test_a_ray_channel_ends_when_ray_says_its_actor_died_though_its_socket_stays_open(
+    driver: EngineDriver, ray_cluster: RayCluster
+) -> None:
+    # A vanished node may never close the connection: Ray's word is enough.
+    import ray
+
+    from tokenmill.gateway.hosts import ReplicaLocation
+    from tokenmill.gateway.rayhost import RayChannel, ReplicaActor, acquire_ray, release_ray
+
+    async def scenario() -> None:
+        section = scripted_on_ray(driver).model_dump(mode="json")
+        actor: Any = ray.remote(ReplicaActor).options(num_cpus=0.5).remote(section, "INFO", 0, "s")
+        ours, theirs = socket.socketpair()  # the test holds the far end open throughout
+        try:
+            await actor.open.remote()
+            reader, writer = await asyncio.open_connection(sock=ours)
+            channel = RayChannel(actor, ReplicaLocation(), reader, writer, actor.ended.remote())
+            receiving = asyncio.ensure_future(channel.receive())
+            ray.kill(actor, no_restart=True)
+            assert await asyncio.wait_for(receiving, HANG_S) is None
+            how = await asyncio.wait_for(channel.wait(), HANG_S)
+            assert "ActorDiedError" in how, how
+            with pytest.raises(EngineError):
+                channel.send({"op": "ping"})
+        finally:
+            theirs.close()
+            ray.kill(actor, no_restart=True)
+
+    acquire_ray(ray_cluster.address)
+    try:
+        asyncio.run(scenario())
+    finally:
+        release_ray()

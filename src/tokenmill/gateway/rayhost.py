@@ -2,40 +2,57 @@
 
 The gateway keeps supervising, exactly as for a child process: admission, the credit
 hold, the stream, cancellation and settlement stay in the gateway, and the replica
-runs the same loop (:func:`tokenmill.gateway.runner.serve`) over Ray instead of a
-socket. A :class:`RayLauncher` creates one :class:`ReplicaActor` per replica; the
+runs the same loop (:func:`tokenmill.gateway.runner.serve`). A :class:`RayLauncher`
+creates one :class:`ReplicaActor` per replica; the
 :class:`~tokenmill.gateway.supervised.SupervisedHost` around it restarts it when it
 dies (a new actor, which Ray places on any node with the resources: a surviving one
 when its node is gone).
 
-Frames, as :mod:`tokenmill.gateway.wire` defines them: gateway -> actor, ``send``
-calls (fire-and-forget: a dead actor shows as the end of the other direction), one
-per event-loop pass carrying every frame the gateway queued in it; actor -> gateway,
-one long-lived streaming call, ``frames``, whose every item is a list of frames: one
-Ray object per decode step carrying the step's chunks for all its streams (never one
-per token, never on a timer), or several steps' when the actor's loop found them
-already queued. The gateway reads that stream on a thread of its own, which hands
-each item to the event loop in one callback: awaiting each object ref on the event
-loop cost the loop 0.35-0.65 ms of CPU a frame, the callback 0.13-0.15 ms (and the
-whole process about 0.4 ms a frame less; 16-chunk frames at 100 a second).
+Ray places, locates and supervises the actor; the frames do not travel as Ray objects.
+The actor listens on its node's address (a port of the system's choosing) and the
+gateway connects to it: the same length-prefixed frames of
+:mod:`tokenmill.gateway.wire` as a process replica's socket pair, written and read by
+the same code (:class:`~tokenmill.gateway.process.SocketChannel` here,
+:func:`~tokenmill.gateway.runner.serve_stream` in the actor). Frames as Ray objects
+(one per decode step actor -> gateway, one ``send`` call per event-loop pass the other
+way) cost what Ray charges per object: on 2 cores, 1.26 ms of gateway CPU a token
+against a process replica's 0.44 at one stream, 20.46 ms of actor CPU against
+19.87, and so 0.83 of a process replica's tok/s at concurrency 1 and 0.91 at 16 (the
+README's Ray benchmark). Over the socket a frame costs a ``write`` and a read, as for
+a process replica.
+
+The connection is authenticated, not encrypted: the gateway makes a random secret for
+each actor and passes it in the actor's constructor (Ray's own control channel
+carries it); the actor accepts the first connection whose first frame (``hello``)
+carries it, closes any other, and stops listening once one is accepted. The stream
+itself is plain TCP, as Ray's own traffic is without TLS: run the cluster on a
+network you trust.
+
+Death: a replica ends when its connection does, or when Ray says its actor is dead
+(a node that vanishes may never close the connection): the channel keeps one call on
+the actor pending, ``ended``, which returns only when the actor's replica loop does,
+and Ray fails it when the actor or its node dies. Either way the streams end with an
+error at once. ``kill`` is ``ray.kill`` and closing the connection.
 
 ``ray_address`` (a setting, ``--ray-address``, ``TOKENMILL_RAY_ADDRESS``) names the
 cluster; ``"local"`` or nothing starts a private Ray instance on this machine, stopped
 when the last Ray replica closes. A deployment's ``ray_num_cpus`` and ``ray_resources``
 say where its replicas may run. Workers need tokenmill installed (and the model file at
-the same path, or the embedded model's package). This module imports ``ray``: it is
-loaded only for a deployment placed on Ray, never by ``import tokenmill``.
+the same path, or the embedded model's package), and the gateway must reach every
+node's address on any port. This module imports ``ray``: it is loaded only for a
+deployment placed on Ray, never by ``import tokenmill``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import hmac
+import json
 import logging
 import os
+import secrets
 import threading
-from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -44,7 +61,9 @@ from ray.exceptions import RayError
 from tokenmill.config import ReplicatedDeployment
 from tokenmill.errors import EngineError
 from tokenmill.gateway.hosts import ReplicaLocation
+from tokenmill.gateway.process import SocketChannel
 from tokenmill.gateway.supervised import START_TIMEOUT_S
+from tokenmill.gateway.wire import HEADER, encode_frame
 
 log = logging.getLogger("tokenmill.gateway.ray")
 
@@ -68,10 +87,13 @@ LOCAL_SYSTEM_CONFIG: dict[str, Any] = {
     "prestart_worker_first_driver": False,
     "enable_worker_prestart": False,
 }
-# How long a channel's reader thread waits for the next frame before it looks whether
-# the channel was killed (an actor that dies ends the wait at once, with Ray's error):
-# what ``wait`` takes at most, after ``kill``, to see the thread gone.
-READ_POLL_S = 0.1
+# The gateway's connection to a placed actor: made within this long, or the launch
+# fails (a node whose address the gateway cannot reach).
+CONNECT_TIMEOUT_S = 30.0
+# A peer connecting to an actor sends its ``hello`` within this long and this size, or
+# is closed.
+HELLO_TIMEOUT_S = 10.0
+HELLO_MAX_BYTES = 1024
 
 
 def acquire_ray(address: str | None) -> None:
@@ -114,27 +136,11 @@ def release_ray() -> None:
             ray.shutdown()
 
 
-class _FrameQueue:
-    """The actor's outgoing frames: ``send`` from any thread, read by ``frames``."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self.queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-
-    def send(self, message: dict[str, Any]) -> None:
-        # Through the loop even from its own thread: frames keep one order.
-        with contextlib.suppress(RuntimeError):  # the loop is gone: the actor is ending
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, message)
-
-    def end(self) -> None:
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, None)
-
-
 class ReplicaActor:
-    """The replica side on Ray: :func:`tokenmill.gateway.runner.serve` in an actor."""
+    """The replica side on Ray: :func:`tokenmill.gateway.runner.serve` in an actor,
+    over one authenticated TCP connection from its gateway."""
 
-    def __init__(self, section: dict[str, Any], log_level: str, nice: int) -> None:
+    def __init__(self, section: dict[str, Any], log_level: str, nice: int, secret: str) -> None:
         if nice:
             os.nice(nice)  # before the engine starts a thread: they inherit it
         logging.basicConfig(
@@ -142,172 +148,144 @@ class ReplicaActor:
             format="%(asctime)s %(levelname)s %(name)s[ray replica]: %(message)s",
         )
         self.section = section
-        self.inbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        # Ray runs an async actor's calls out of order (a big prompt's frame can be
-        # overtaken by the abort after it): calls are numbered and applied in order.
-        self._next = 0
-        self._early: dict[int, list[dict[str, Any]]] = {}
+        self._secret = secret.encode()
+        self._listener: asyncio.Server | None = None
+        self._taken = False  # the gateway's connection is accepted: no other
+        self._served: asyncio.Future[int] | None = None  # the replica loop's exit code
 
-    def where(self) -> tuple[int, str, str]:
-        context = ray.get_runtime_context()
+    async def open(self) -> tuple[int, str, str, int]:
+        """Listen for the gateway; where: pid, node id, node address, port."""
         address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        return os.getpid(), context.get_node_id(), address
+        self._served = asyncio.get_running_loop().create_future()
+        self._listener = await asyncio.start_server(self._connected, address, 0)
+        port = int(self._listener.sockets[0].getsockname()[1])
+        return os.getpid(), ray.get_runtime_context().get_node_id(), address, port
 
-    async def send(self, number: int, messages: list[dict[str, Any]]) -> None:
-        self._early[number] = messages
-        while self._next in self._early:  # no await in here: nothing interleaves
-            for message in self._early.pop(self._next):
-                self.inbox.put_nowait(message)
-            self._next += 1
+    async def ended(self) -> int:
+        """The replica loop's exit code, once it has ended: the gateway keeps this call
+        pending for the actor's whole life, and Ray fails it when the actor dies."""
+        if self._served is None:
+            raise RuntimeError("ended() before open()")
+        return await asyncio.shield(self._served)
 
-    async def frames(self) -> AsyncIterator[list[dict[str, Any]]]:
-        from tokenmill.gateway.runner import serve
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not await self._authentic(reader) or self._taken:
+            log.warning("closed a connection from %s: not the gateway's", _peer(writer))
+            writer.close()
+            return
+        self._taken = True
+        if self._listener is not None:
+            self._listener.close()  # the connection stays; nobody else gets one
+        from tokenmill.gateway.runner import serve_stream
 
-        out = _FrameQueue(asyncio.get_running_loop())
-        task = asyncio.create_task(serve(self.inbox.get, out, self.section))
-        task.add_done_callback(lambda _: out.end())
-        queue = out.queue
-        while True:
-            # One Ray object per item: the frame that woke us, and whatever else the
-            # decode thread had already queued behind it (never waiting for more).
-            frame = await queue.get()
-            batch: list[dict[str, Any]] = []
-            while frame is not None:
-                batch.append(frame)
-                if queue.empty():
-                    break
-                frame = queue.get_nowait()
-            if batch:
-                yield batch
-            if frame is None:
-                break
-        await task
+        code = 1
+        try:
+            code = await serve_stream(reader, writer, self.section)
+        except Exception:
+            log.exception("the replica loop failed")
+        finally:
+            if self._served is not None and not self._served.done():
+                self._served.set_result(code)
+
+    async def _authentic(self, reader: asyncio.StreamReader) -> bool:
+        """Whether the peer's first frame is a ``hello`` with this actor's secret."""
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+                if size > HELLO_MAX_BYTES:
+                    return False
+                hello = json.loads(await reader.readexactly(size))
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError):
+            return False
+        if not (isinstance(hello, dict) and hello.get("op") == "hello"):
+            return False
+        secret = hello.get("secret")
+        return isinstance(secret, str) and hmac.compare_digest(secret.encode(), self._secret)
 
 
-class RayChannel:
-    """One replica actor: ``send`` calls one way, the ``frames`` stream the other.
+def _peer(writer: asyncio.StreamWriter) -> str:
+    return str(writer.get_extra_info("peername"))
 
-    A reader thread takes the stream's items as they come (a blocking wait on the
-    next object, then ``ray.get``) and hands each to the event loop in one
-    ``call_soon_threadsafe``; ``receive`` pops them in order. The thread ends with the
-    stream (the actor ended or died: Ray ends the wait with an error) or, at the
-    latest ``READ_POLL_S`` after it, once the channel is killed; ``wait`` returns only
-    once it has, so nothing reads from Ray after the last launcher disconnects it.
+
+class RayChannel(SocketChannel):
+    """One replica actor: frames over its TCP connection, death from Ray too.
+
+    ``ended``, the actor's call pending for its whole life, is awaited by a task of
+    the channel's: Ray failing it (the actor or its node died) closes the connection
+    here, so ``receive`` returns None even when no end of stream ever comes. ``wait``
+    returns at the first of the end of stream and that call's end; it then stops
+    watching, so nothing waits on Ray after the launcher disconnects.
     """
 
-    def __init__(self, actor: Any, where: tuple[int, str, str]) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        location: ReplicaLocation,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        ended: Any,  # the ObjectRef of actor.ended
+    ) -> None:
+        super().__init__(reader, writer)
         self.actor = actor
-        self.pid, self.node_id, self.node_address = where
-        self._loop = asyncio.get_running_loop()
-        self._inbox: collections.deque[dict[str, Any]] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None  # receive(), waiting
-        self._outbox: list[dict[str, Any]] = []  # frames for the next send call
-        self._sent = 0  # send calls made: their numbers
-        self._gone = asyncio.Event()  # no frame comes any more
-        self._read = asyncio.Event()  # the reader thread has ended
-        self._stop = threading.Event()  # killed: the reader thread stops waiting
-        self._how = "the actor ended"
-        frames = actor.frames.remote()  # an async generator: a streaming call
-        self._reader = threading.Thread(
-            target=self._read_frames,
-            args=(frames,),
-            name=f"tokenmill-ray-reader-{self.pid}",
-            daemon=True,
-        )
-        self._reader.start()
+        self._location = location
+        self._how: str | None = None  # how it ended, once it has
+        self._eof = asyncio.Event()  # receive() found the end of the stream
+        self._watch = asyncio.ensure_future(self._watch_actor(ended))
 
     @property
     def name(self) -> str:
-        return f"ray replica (pid {self.pid} on node {self.node_address} {self.node_id[:12]})"
+        where = self._location
+        node = (where.node_id or "")[:12]
+        return f"ray replica (pid {where.pid} on node {where.node_address} {node})"
 
     def location(self) -> ReplicaLocation:
-        return ReplicaLocation(self.pid, self.node_id, self.node_address)
-
-    def send(self, message: dict[str, Any]) -> None:
-        if self._gone.is_set():
-            raise EngineError("the replica is gone; retry the request")
-        # Every frame queued in this pass of the event loop leaves in one call (a burst
-        # of requests: their prepare, then their generate frames): a Ray call costs
-        # the loop far more than a frame.
-        self._outbox.append(message)
-        if len(self._outbox) == 1:
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        messages, self._outbox = self._outbox, []
-        if messages and not self._gone.is_set():
-            self.actor.send.remote(self._sent, messages)
-            self._sent += 1
+        return self._location
 
     async def receive(self) -> dict[str, Any] | None:
-        # Frames that came before the stream ended are still read (a "fatal" frame,
-        # an error); a killed channel dropped them.
-        while not self._inbox:
-            if self._gone.is_set():
-                return None
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._inbox.popleft()
+        message = await super().receive()
+        if message is None:
+            self._ended("its connection closed")
+            self._eof.set()
+        return message
 
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    # -- the reader thread, and its callbacks on the event loop ---------------------------
-
-    def _read_frames(self, frames: Any) -> None:
-        how = "the actor ended"
+    async def _watch_actor(self, ended: Any) -> None:
         try:
-            while not self._stop.is_set():
-                # A nil ref: nothing within READ_POLL_S. StopIteration: the stream ended.
-                ref = frames._next_sync(READ_POLL_S)
-                if ref.is_nil():
-                    continue
-                batch: list[dict[str, Any]] = ray.get(ref)
-                self._loop.call_soon_threadsafe(self._arrived, batch)
-        except StopIteration:
-            pass
+            code = await ended
         except RayError as e:
-            how = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self._ended(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            # The actor is dead: its connection may never see an end (a vanished node
+            # sends no FIN), so it ends here.
+            self.close_socket()
         except Exception as e:  # Ray itself failing here must still end the channel
-            how = f"reading its frames failed: {type(e).__name__}: {e}"
-        finally:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                self._loop.call_soon_threadsafe(self._read_ended, how)
+            self._ended(f"watching it failed: {type(e).__name__}: {e}")
+            self.close_socket()
+        else:
+            # Its loop returned and closed the connection: the frames before that end
+            # are still read.
+            self._ended(f"its replica loop ended (exit {code})")
 
-    def _arrived(self, batch: list[dict[str, Any]]) -> None:
-        if not self._gone.is_set():
-            self._inbox.extend(batch)
-            self._wake()
-
-    def _read_ended(self, how: str) -> None:
-        self._end(how)
-        self._read.set()
-
-    def _end(self, how: str) -> None:
-        if not self._gone.is_set():
+    def _ended(self, how: str) -> None:
+        if self._how is None:
             self._how = how
-            self._gone.set()
-            self._wake()
 
     def kill(self) -> None:
+        self._ended("killed by the gateway")
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
-        self._stop.set()
-        self._outbox.clear()
-        self._inbox.clear()
-        self._end("killed by the gateway")
+        self.close_socket()
 
     async def wait(self) -> str:
-        await self._gone.wait()
-        await self._read.wait()
-        # Its last act was to schedule _read_ended: it is returning, with nothing left
-        # that could block, so this join lasts until it is next scheduled at most.
-        self._reader.join()
-        return self._how
+        if not (self._eof.is_set() or self._watch.done()):
+            eof = asyncio.ensure_future(self._eof.wait())
+            try:
+                await asyncio.wait((eof, self._watch), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                eof.cancel()
+        if not self._watch.done():
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        return self._how or "it ended"
 
 
 class RayLauncher:
@@ -333,27 +311,40 @@ class RayLauncher:
             self._connected = True
         actor_class: Any = ray.remote(ReplicaActor).options(**self.options)
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        actor: Any = actor_class.remote(self.section, level, self.nice)
+        secret = secrets.token_hex(32)  # the actor's constructor carries it, through Ray
+        actor: Any = actor_class.remote(self.section, level, self.nice, secret)
 
-        async def placed() -> tuple[int, str, str]:
-            where: tuple[int, str, str] = await actor.where.remote()
+        async def opened() -> tuple[int, str, str, int]:
+            where: tuple[int, str, str, int] = await actor.open.remote()
             return where
 
         try:
             # An actor no node can take stays pending without an error: bound the wait.
-            where = await asyncio.wait_for(placed(), START_TIMEOUT_S)
-        except TimeoutError:
-            with contextlib.suppress(Exception):
-                ray.kill(actor, no_restart=True)
-            raise EngineError(
-                f"no Ray node took the replica within {START_TIMEOUT_S:g}s: does any node "
-                f"offer {self.options['num_cpus']:g} CPUs and {self.options['resources']}?"
-            ) from None
+            try:
+                pid, node_id, address, port = await asyncio.wait_for(opened(), START_TIMEOUT_S)
+            except TimeoutError:
+                raise EngineError(
+                    f"no Ray node took the replica within {START_TIMEOUT_S:g}s: does any "
+                    f"node offer {self.options['num_cpus']:g} CPUs and "
+                    f"{self.options['resources']}?"
+                ) from None
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_connection(address, port), CONNECT_TIMEOUT_S
+                )
+            except (OSError, TimeoutError) as e:
+                raise EngineError(
+                    f"could not connect to the Ray replica at {address}:{port} (node "
+                    f"{node_id[:12]}): {type(e).__name__}: {e}; the gateway must reach "
+                    "every Ray node's address on any port"
+                ) from None
         except BaseException:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
             raise
-        return RayChannel(actor, where)
+        writer.write(encode_frame({"op": "hello", "secret": secret}))
+        location = ReplicaLocation(pid, node_id, address)
+        return RayChannel(actor, location, reader, writer, actor.ended.remote())
 
     async def close(self) -> None:
         if self._connected:

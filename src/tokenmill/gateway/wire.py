@@ -1,20 +1,21 @@
 """The frames a replica and its gateway exchange, whatever carries them.
 
 A replica that runs outside the gateway's process (a child process, a Ray actor) and
-the gateway talk in frames: JSON objects with an ``op``. Over a socket each frame is
-length-prefixed (4-byte big-endian length, then UTF-8 JSON); over Ray each frame is
-one object. Requests are multiplexed by request id. The replica batches every chunk
-its engine produced in one decode step into one ``chunks`` frame, so the per-token
-cost is one small frame per step shared by all running streams, not one message per
-token.
+the gateway talk in frames: JSON objects with an ``op``, over a stream socket (a
+process's socket pair, a Ray actor's TCP connection), each length-prefixed (4-byte
+big-endian length, then UTF-8 JSON). Requests are multiplexed by request id. The
+replica batches every chunk its engine produced in one decode step into one
+``chunks`` frame, so the per-token cost is one small frame per step shared by all
+running streams, not one message per token.
 
-Frames, gateway -> replica: ``prepare``, ``generate``, ``abort`` (by id: the one way
-to stop a request, answered by its final ``abort`` chunk), ``tokenize``,
-``detokenize``, ``tokenizer_info``, ``embed_prepare``, ``embed`` (by call id),
-``ping``, ``close``. Replica -> gateway: ``ready`` / ``fatal`` (start-up),
-``prepared``, ``chunks``, ``answer`` (to a call: ``tokenize`` to ``embed``),
-``error`` (by id), ``status``
-(the health snapshot, pushed when it changes), ``pong``.
+Frames, gateway -> replica: ``hello`` (the first on a Ray actor's connection: the
+secret the gateway gave the actor, :mod:`tokenmill.gateway.rayhost`), ``prepare``,
+``generate``, ``abort`` (by id: the one way to stop a request, answered by its final
+``abort`` chunk), ``tokenize``, ``detokenize``, ``tokenizer_info``, ``embed_prepare``,
+``embed`` (by call id), ``ping``, ``close``. Replica -> gateway: ``ready`` / ``fatal``
+(start-up), ``prepared``, ``chunks``, ``answer`` (to a call: ``tokenize`` to
+``embed``), ``error`` (by id), ``status`` (the health snapshot, pushed when it
+changes), ``pong``.
 """
 
 from __future__ import annotations
