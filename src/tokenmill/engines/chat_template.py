@@ -64,6 +64,39 @@ def render_chat(
         ) from None
 
 
+# Stand-ins for the contents of a rendered conversation: nothing a template writes.
+_ANSWER = "\u2063tokenmill-answer\u2063"
+_NEXT = "\u2063tokenmill-next\u2063"
+
+
+@lru_cache(maxsize=64)
+def next_user_turn(source: str, bos_token: str, eos_token: str) -> str | None:
+    """What the template writes between an assistant's answer and the next user
+    message's text: for ChatML ``<|im_end|>\n<|im_start|>user\n``. None when the
+    template does not write an answer as it is followed by that text (one that
+    rewrites or drops earlier answers), or fails to render the probe."""
+    messages = [
+        ChatMessage("user", "Hello."),
+        ChatMessage("assistant", _ANSWER),
+        ChatMessage("user", _NEXT),
+    ]
+    try:
+        text = _compile_template(source).render(
+            messages=[_message(m) for m in messages],
+            add_generation_prompt=False,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            tools=None,
+        )
+    except Exception:  # any template, any failure: no warm-up, nothing else
+        return None
+    start = text.find(_ANSWER)
+    end = text.find(_NEXT)
+    if start < 0 or end < start or text.count(_ANSWER) != 1:
+        return None
+    return text[start + len(_ANSWER) : end]
+
+
 def _message(m: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:

@@ -51,6 +51,7 @@ from tokenmill.engines.base import (
     TopLogprob,
     Usage,
 )
+from tokenmill.engines.chat_template import next_user_turn
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
@@ -73,6 +74,11 @@ log = logging.getLogger("tokenmill.engines.llamacpp")
 # 2k-token prompt is in after 4 steps, small enough that a step with 16 decoding
 # streams stays a few tens of ms.
 PREFILL_CHUNK = 512
+# A chat's answer finished and nothing else to do for this long: the engine computes
+# what the template writes before the next user message (see ``_warm_next_turn``). A
+# person takes seconds to answer; a program that sends its next request at once
+# arrives well before this and is never kept waiting by it.
+WARM_AFTER_S = 0.2
 
 
 @dataclass(slots=True)
@@ -107,6 +113,9 @@ class _Sequence:
     prompt_logprobs: list[tuple[float, tuple[TopLogprob, ...]]] | None = None
     # The constraint's state (structured outputs): masks the logits before sampling.
     grammar: SequenceGrammar | None = None
+    # A chat's answer: what its template writes before the next user message, as
+    # tokens (see ``LlamaCppEngine._warm_next_turn``); empty for anything else.
+    next_turn: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -173,6 +182,10 @@ class LlamaCppEngine:
         self.steps = 0
         self.kv_copies = 0  # prefixes copied from another slot (see _assign)
         self._copies_queued = False  # a seq_cp waits for the next decode (_copy_seq)
+        # (slot, its token count then, tokens): the next turn of the chat that just
+        # ended there, to compute once the engine has been idle WARM_AFTER_S.
+        self._warm: tuple[int, int, list[int]] | None = None
+        self.warmups = 0  # next turns computed ahead (see _warm_next_turn)
         # Request id -> the marks of its first token (queued, picked, decoded, sampled:
         # tokenmill.stages), until the sink sends them with the token.
         self.first_marks: dict[str, tuple[float, ...]] = {}
@@ -421,6 +434,7 @@ class LlamaCppEngine:
         grammars = None if base.constraint is None else self._grammar_cache()
         members: list[_Sequence] = []
         group = _Group(rid, members, sum(map(len, prompts)))
+        next_turn = self._next_turn(request)
         for tokens in prompts:
             leader: _Sequence | None = None
             for i in range(request.n):
@@ -444,6 +458,7 @@ class LlamaCppEngine:
                     grammar=None
                     if grammars is None or base.constraint is None
                     else grammars.start(base.constraint),
+                    next_turn=next_turn,
                 )
                 if leader is None:
                     leader = seq
@@ -457,6 +472,17 @@ class LlamaCppEngine:
                 raise EngineError(f"the engine failed: {self._failed}")
             self._inbox.append(group)
             self._cv.notify()
+
+    def _next_turn(self, request: GenerationRequest) -> tuple[int, ...]:
+        """The tokens a chat's template writes after this request's answer, before
+        the next user message (empty: not a one-choice chat without tools, or a
+        template that does not write an answer as it was generated)."""
+        if request.messages is None or request.choices != 1 or request.tools is not None:
+            return ()
+        vocab = self.vocab
+        source = request.chat_template or vocab.template
+        text = next_user_turn(source, vocab.bos, vocab.eos) if source else None
+        return tuple(vocab.tokenize(text, bos=False)) if text else ()
 
     def cancel(self, request_id: str) -> None:
         """Stop a request within one step; unknown or finished ids are ignored."""
@@ -536,6 +562,7 @@ class LlamaCppEngine:
     def _run(self) -> None:
         try:
             while True:
+                warm = None
                 with self._cv:
                     while (
                         not self._stop
@@ -544,9 +571,17 @@ class LlamaCppEngine:
                         and not (self._embedder and self._embedder.jobs)
                     ):
                         self._aborts.clear()
-                        self._cv.wait()
+                        if self._warm is None:
+                            self._cv.wait()
+                        elif not self._cv.wait(WARM_AFTER_S):
+                            warm, self._warm = self._warm, None
+                            break
                     if self._stop:
                         break
+                if warm is not None:
+                    self._warm_next_turn(*warm)
+                    continue
+                with self._cv:
                     admitted = self._admit_locked()
                     aborts: set[str] = _NO_ABORTS
                     if self._aborts:
@@ -617,6 +652,7 @@ class LlamaCppEngine:
         admitted: list[_Sequence] = []
         if not self._inbox:
             return admitted
+        self._warm = None  # not idle: whatever comes next is not worth waiting for
         free = sum(1 for s in self._slots if s.seq is None)
         while self._inbox and free >= len(self._inbox[0].members):
             group = self._inbox.popleft()
@@ -805,6 +841,7 @@ class LlamaCppEngine:
             self._slots[seq.slot].tokens.append(seq.last_token)
         if not seq.sampling.ignore_eos and vocab.is_eog(token):
             self._finish(seq, "stop", events)
+            self._plan_warm(seq, [])
             return
         if grammar is not None and not grammar.consume(token):
             log.warning("request %s: grammar refused a token: %s", seq.request_id, grammar.error)
@@ -835,11 +872,56 @@ class LlamaCppEngine:
             len(seq.prompt) + seq.generated >= self.n_ctx_seq
         ):
             self._finish(seq, "length", events, text + seq.stream.finish())
+            self._plan_warm(seq, [token])  # the last token, sampled, never decoded
         else:
             released = () if seq.aligner is None else seq.aligner.release(len(text))
             if text or released:
                 chunk = Chunk(text, tokens=group.generated, logprobs=released, index=seq.index)
                 events.append((seq, chunk))
+
+    def _plan_warm(self, seq: _Sequence, head: list[int]) -> None:
+        """``seq``, a chat's answer, ended whole (EOS or max_tokens): its slot may
+        compute ``head`` and what the template writes before the next user message,
+        once the engine has nothing else to do (see ``_warm_next_turn``)."""
+        if not seq.next_turn:
+            return
+        slot = self._slots[seq.slot]
+        tokens = [*head, *seq.next_turn]
+        if len(slot.tokens) + len(tokens) < self.n_ctx_seq:
+            self._warm = (slot.index, len(slot.tokens), tokens)
+
+    def _warm_next_turn(self, index: int, length: int, tokens: list[int]) -> None:
+        """Decode ``tokens`` into free slot ``index`` after its ``length`` cached ones.
+
+        A chat's next request is its history plus a new message: the prompt cache
+        holds the history up to the answer's last decoded token, and the rest is
+        computed on that request's first-token path: the answer's last token when it
+        ended at max_tokens, the template's end of the answer and start of the next
+        user turn (ChatML: ``<|im_end|>\\n<|im_start|>user\\n``, 5 tokens), then the new
+        message. The first two are known when the answer ends, so they are computed
+        while the person reads it: only after ``WARM_AFTER_S`` with nothing to do,
+        never while anything runs or waits. If the next request is something else (a
+        tool's answer, another conversation) the cells are simply not reused.
+        """
+        slot = self._slots[index]
+        if slot.seq is not None or len(slot.tokens) != length:
+            return  # the slot moved on since the answer ended
+        batch = self._batch
+        for i, token in enumerate(tokens):
+            _batch_add(batch, i, token, length + i, index, i == len(tokens) - 1)
+        batch.n_tokens = len(tokens)
+        self._decoding_since = time.monotonic()
+        try:
+            rc = ll.llama_decode(self._ctx, batch)
+        finally:
+            self._decoding_since = None
+            self._copies_queued = False
+        if rc != 0:
+            log.warning("llama_decode returned %d warming slot %d's next turn", rc, index)
+            ll.llama_memory_seq_rm(self._mem, index, length, -1)
+            return
+        slot.tokens.extend(tokens)
+        self.warmups += 1
 
     def _echo(self, seq: _Sequence) -> Chunk:
         """The prompt as a chunk: its text, and its tokens' log probabilities if asked."""

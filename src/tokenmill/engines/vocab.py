@@ -120,16 +120,18 @@ class Vocab:
             n = ll.llama_detokenize(self.handle, ids, len(tokens), buf, -n, False, True)
         return buf.raw[:n].decode("utf-8", errors="replace")
 
-    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+    def tokenize(self, text: str, *, special: bool = True, bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; ``special`` parses control tokens written as text
-        (a rendered chat template) and adds BOS where the model wants one."""
+        (a rendered chat template) and adds BOS where the model wants one (``bos``
+        False: never, for text that continues a prompt)."""
         data = text.encode("utf-8")
+        add = special if bos is None else bos
         cap = len(data) + 8
         buf = (ll.llama_token * cap)()
-        n = ll.llama_tokenize(self.handle, data, len(data), buf, cap, special, special)
+        n = ll.llama_tokenize(self.handle, data, len(data), buf, cap, add, special)
         if n < 0:
             buf = (ll.llama_token * -n)()
-            n = ll.llama_tokenize(self.handle, data, len(data), buf, -n, special, special)
+            n = ll.llama_tokenize(self.handle, data, len(data), buf, -n, add, special)
         return list(buf[:n])
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
