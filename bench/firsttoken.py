@@ -160,9 +160,12 @@ def _cached(tail: dict[str, Any]) -> int | None:
 
 
 def second_turn(
-    url: str, model: str, conversation: int, sampling: dict[str, Any]
+    url: str, model: str, conversation: int, sampling: dict[str, Any], pause_s: float = 0.0
 ) -> dict[str, Any]:
-    """One two-turn chat; the TTFT of each turn and the cached prompt tokens of the second."""
+    """One two-turn chat; the TTFT of each turn and the cached prompt tokens of the second.
+
+    ``pause_s`` between the first answer's end and the second message: the person
+    reading and typing (0: a program sending it at once)."""
     first = FIRST_TURNS[conversation % len(FIRST_TURNS)]
     messages: list[dict[str, str]] = [
         {"role": "system", "content": SYSTEM},
@@ -175,6 +178,7 @@ def second_turn(
         body["seed"] = 1000 + conversation
         body["ignore_eos"] = True
         ttft1, answer, _ = _stream(client, url, body)
+        time.sleep(pause_s)
         messages += [
             {"role": "assistant", "content": answer},
             {"role": "user", "content": SECOND_TURN},

@@ -455,7 +455,8 @@ def second_turn_runs(tm: Server, ls: Server, args: argparse.Namespace, out: dict
         order = (tm, ls) if rep % 2 == 0 else (ls, tm)
         for s in order:
             for k in range(args.second_turns):
-                result = second_turn(s.url, s.model, rep * args.second_turns + k, SAMPLING)
+                conversation = rep * args.second_turns + k
+                result = second_turn(s.url, s.model, conversation, SAMPLING, args.turn_pause)
                 runs[s.name].append(result)
         log(
             f"second turn rep {rep + 1}/{args.reps}: TTFT ms "
@@ -483,7 +484,8 @@ def second_turn_lines(turns: dict[str, Any]) -> list[str]:
         return []
     return [
         f"\nsecond turn of a chat at c=1 (system prompt, a first exchange of "
-        f"{turns['first_turn_tokens']} tokens, one new user message; llama-server with "
+        f"{turns['first_turn_tokens']} tokens, one new user message sent "
+        f"{turns.get('pause_s', 0.0):g} s after the answer; llama-server with "
         f"cache_prompt), {len(turns['runs']['tokenmill'])} conversations each, p50:",
         f"  TTFT turn 2 tokenmill {tm['ttft2_p50_ms']:.1f} ms, llama-server "
         f"{ls['ttft2_p50_ms']:.1f} ms (diff {tm['ttft2_p50_ms'] - ls['ttft2_p50_ms']:+.1f} ms); "
@@ -1131,7 +1133,10 @@ def llama_server_section(
         mem: dict[str, dict[str, float]] = {s.name: {} for s in servers}
         health: list[HealthProbe] = []
         contended: dict[str, dict[int, list[dict[str, Any]]]] = {s.name: {} for s in servers[:2]}
-        turns: dict[str, Any] = {"first_turn_tokens": FIRST_TURN_TOKENS}
+        turns: dict[str, Any] = {
+            "first_turn_tokens": FIRST_TURN_TOKENS,
+            "pause_s": args.turn_pause,
+        }
         try:
             measure(servers, levels, args, runs, mem, health)
             if args.second_turns > 0:
@@ -1251,6 +1256,13 @@ def main() -> int:
         default=4,
         help="two-turn chats per server and repetition at c=1, for the second turn's TTFT "
         "against llama-server's prompt cache (0: skip them)",
+    )
+    parser.add_argument(
+        "--turn-pause",
+        type=float,
+        default=1.0,
+        help="seconds between a chat's first answer and its second message: a person "
+        "reading it (0: a program that sends the next turn at once)",
     )
     parser.add_argument("--ceiling-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kv-child", type=Path, help=argparse.SUPPRESS)
