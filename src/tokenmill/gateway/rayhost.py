@@ -19,8 +19,8 @@ way) cost what Ray charges per object: on 2 cores, 1.26 ms of gateway CPU a toke
 against a process replica's 0.44 at one stream, 20.46 ms of actor CPU against
 19.87, and so 0.83 of a process replica's tok/s at concurrency 1 and 0.91 at 16 (the
 README's Ray benchmark). Over the socket a frame costs a ``write`` and a read, as for
-a process replica: in one run (cores shared with another benchmark) the gateway spent
-0.61 ms of CPU a token with a Ray replica at one stream, 0.62 with a process replica.
+a process replica: in two (busy) runs the gateway spent 0.61 and 0.79 ms of CPU a
+token with a Ray replica at one stream, against 0.62 and 0.77 with a process replica.
 
 The connection is authenticated, not encrypted: the gateway makes a random secret for
 each actor and passes it in the actor's constructor (Ray's own control channel
