@@ -16,6 +16,7 @@ import asyncio
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -222,6 +223,9 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
                 pieces = [e["choices"][0]["delta"].get("content", "") for e in got if e["choices"]]
                 answers[dep] = ("".join(pieces), got[-1]["usage"])
             assert answers["onray"] == answers["local"]
+            # Ray starts workers at nice 15; the replica runs at its replica_nice (0),
+            # every thread, llama.cpp's included, as a process replica does.
+            assert thread_niceness(on_b["pid"]) == {0}
             said, usage = answers["onray"]
             assert said and usage["completion_tokens"] == 16 and usage["prompt_tokens"] > 0
             assert usage["total_tokens"] == usage["prompt_tokens"] + 16
@@ -230,6 +234,15 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
     finally:
         if node_b in ray_cluster.node_ids():
             ray_cluster.remove_node(node_b)
+
+
+def thread_niceness(pid: int) -> set[int]:
+    """The niceness of each thread of process ``pid`` (this machine's)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        found.add(int(stat[stat.rindex(")") + 2 :].split()[16]))  # field 19: nice
+    return found
 
 
 def scripted_on_ray(driver: EngineDriver) -> ReplicatedDeployment:

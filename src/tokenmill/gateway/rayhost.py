@@ -137,17 +137,47 @@ def release_ray() -> None:
             ray.shutdown()
 
 
+def renice_threads(nice: int) -> None:
+    """Give every thread of this process the niceness ``nice`` (``replica_nice``).
+
+    Ray starts its worker processes at nice 15 (``worker_niceness``): a replica left
+    there runs its llama.cpp threads below everything else on the node, the gateway
+    and its clients included, and loses throughput to a process replica (nice 0) on
+    any host with other work. Linux keeps a niceness per thread, and the threads Ray
+    started before this actor existed keep theirs unless each is set; threads started
+    later inherit their creator's. Lowering a niceness needs ``CAP_SYS_NICE`` (root
+    has it); without it the replica stays at Ray's and says so.
+    """
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: this thread only
+        tids = [0]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            continue  # a thread that ended meanwhile
+        except PermissionError:
+            log.warning(
+                "the Ray replica cannot set its niceness to %d (it is %d, Ray's "
+                "worker_niceness; lowering it needs CAP_SYS_NICE): its threads run below "
+                "other work on this node",
+                nice,
+                os.getpriority(os.PRIO_PROCESS, 0),
+            )
+            return
+
+
 class ReplicaActor:
     """The replica side on Ray: :func:`tokenmill.gateway.runner.serve` in an actor,
     over one authenticated TCP connection from its gateway."""
 
     def __init__(self, section: dict[str, Any], log_level: str, nice: int, secret: str) -> None:
-        if nice:
-            os.nice(nice)  # before the engine starts a thread: they inherit it
         logging.basicConfig(
             level=log_level.upper(),
             format="%(asctime)s %(levelname)s %(name)s[ray replica]: %(message)s",
         )
+        renice_threads(nice)  # before the engine starts a thread: they inherit it
         self.section = section
         self._secret = secret.encode()
         self._listener: asyncio.Server | None = None
@@ -353,4 +383,11 @@ class RayLauncher:
             await asyncio.to_thread(release_ray)
 
 
-__all__ = ["RayChannel", "RayLauncher", "ReplicaActor", "acquire_ray", "release_ray"]
+__all__ = [
+    "RayChannel",
+    "RayLauncher",
+    "ReplicaActor",
+    "acquire_ray",
+    "release_ray",
+    "renice_threads",
+]
