@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -236,6 +236,17 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
             ray_cluster.remove_node(node_b)
 
 
+def run_on_ray(cluster: RayCluster, scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``scenario`` on an event loop of its own, connected to ``cluster``'s Ray."""
+    from tokenmill.gateway.rayhost import acquire_ray, release_ray
+
+    acquire_ray(cluster.address)
+    try:
+        asyncio.run(scenario())
+    finally:
+        release_ray()
+
+
 def thread_niceness(pid: int) -> set[int]:
     """The niceness of each thread of process ``pid`` (this machine's)."""
     found = set()
@@ -294,7 +305,7 @@ def test_a_ray_actor_serves_only_the_connection_that_brings_its_secret(
 ) -> None:
     import ray
 
-    from tokenmill.gateway.rayhost import ReplicaActor, acquire_ray, release_ray
+    from tokenmill.gateway.rayhost import ReplicaActor
 
     async def closed_at_once(address: str, port: int, first: bytes) -> None:
         reader, writer = await asyncio.open_connection(address, port)
@@ -326,11 +337,7 @@ def test_a_ray_actor_serves_only_the_connection_that_brings_its_secret(
         finally:
             ray.kill(actor, no_restart=True)
 
-    acquire_ray(ray_cluster.address)
-    try:
-        asyncio.run(scenario())
-    finally:
-        release_ray()
+    run_on_ray(ray_cluster, scenario)
 
 
 def test_a_ray_channel_ends_when_ray_says_its_actor_died_though_its_socket_stays_open(
@@ -340,7 +347,7 @@ def test_a_ray_channel_ends_when_ray_says_its_actor_died_though_its_socket_stays
     import ray
 
     from tokenmill.gateway.hosts import ReplicaLocation
-    from tokenmill.gateway.rayhost import RayChannel, ReplicaActor, acquire_ray, release_ray
+    from tokenmill.gateway.rayhost import RayChannel, ReplicaActor
 
     async def scenario() -> None:
         section = scripted_on_ray(driver).model_dump(mode="json")
@@ -361,8 +368,4 @@ def test_a_ray_channel_ends_when_ray_says_its_actor_died_though_its_socket_stays
             theirs.close()
             ray.kill(actor, no_restart=True)
 
-    acquire_ray(ray_cluster.address)
-    try:
-        asyncio.run(scenario())
-    finally:
-        release_ray()
+    run_on_ray(ray_cluster, scenario)

@@ -736,6 +736,18 @@ class LlamaCppEngine:
         ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
         self._copies_queued = True
 
+    def _decode(self, batch: Any) -> int:
+        """``llama_decode``, seen by the health probe while it runs (``stalled_s``);
+        it carries out the copies ``_copy_seq`` queued before it writes."""
+        self._decoding_since = time.monotonic()
+        try:
+            rc: int = ll.llama_decode(self._ctx, batch)
+        finally:
+            self._decoding_since = None
+            self._copies_queued = False
+        self._decoded_at = time.monotonic()
+        return rc
+
     def _step(self, events: list[tuple[_Sequence, Chunk | BaseException]]) -> None:
         batch = self._batch
         # Every decoding sequence gets its next token; the prompt budget left goes to
@@ -787,13 +799,8 @@ class LlamaCppEngine:
         if threads != self._threads_now:
             ll.llama_set_n_threads(self._ctx, threads, threads)
             self._threads_now = threads
-        self._decoding_since = started = time.monotonic()
-        try:
-            rc = ll.llama_decode(self._ctx, batch)
-        finally:
-            self._decoding_since = None
-            self._copies_queued = False  # llama_decode carried them out first
-        self._decoded_at = time.monotonic()
+        started = time.monotonic()
+        rc = self._decode(batch)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         if tuner is not None:
@@ -910,12 +917,7 @@ class LlamaCppEngine:
         for i, token in enumerate(tokens):
             _batch_add(batch, i, token, length + i, index, i == len(tokens) - 1)
         batch.n_tokens = len(tokens)
-        self._decoding_since = time.monotonic()
-        try:
-            rc = ll.llama_decode(self._ctx, batch)
-        finally:
-            self._decoding_since = None
-            self._copies_queued = False
+        rc = self._decode(batch)
         if rc != 0:
             log.warning("llama_decode returned %d warming slot %d's next turn", rc, index)
             ll.llama_memory_seq_rm(self._mem, index, length, -1)
