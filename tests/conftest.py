@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -50,6 +51,14 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def request_line(self, request_id: str) -> dict[str, Any] | None:
+        """The request's record (``tokenmill.requests``) once it is logged, else None."""
+        for line in self.log().splitlines():
+            if request_id in line and "tokenmill.requests: " in line:
+                record: dict[str, Any] = json.loads(line.split("tokenmill.requests: ", 1)[1])
+                return record
+        return None
 
     def wait_ready(self, timeout: float = HANG_S) -> None:
         def ready() -> bool:

@@ -9,9 +9,7 @@ processes on one monotonic clock, follow the order the request met them.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -37,14 +35,6 @@ def http(server: ServerProcess) -> Iterator[httpx.Client]:
         yield client
 
 
-def request_line(server: ServerProcess, request_id: str) -> dict[str, Any] | None:
-    for line in server.log().splitlines():
-        if request_id in line and "tokenmill.requests: " in line:
-            record: dict[str, Any] = json.loads(line.split("tokenmill.requests: ", 1)[1])
-            return record
-    return None
-
-
 def stage_counts(http: httpx.Client) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(http.get("/metrics").text):
@@ -64,7 +54,7 @@ def test_a_streamed_chat_logs_every_stage_in_order(
         request_id = r.headers["x-request-id"]
         assert "".join(text(e) for e in to_done(r))
 
-    line = wait_until(lambda: request_line(server, request_id), "the request's log line")
+    line = wait_until(lambda: server.request_line(request_id), "the request's log line")
     stages = line["stages_ms"]
     # A process replica shares the host's clock: every stage, replica ones included.
     assert list(stages) == list(STAGE_NAMES)
@@ -81,7 +71,7 @@ def test_a_refused_request_has_no_stages(server: ServerProcess, http: httpx.Clie
     r = http.post("/v1/chat/completions", json={**BODY, "max_tokens": 10**6})
     assert r.status_code == 400
     request_id = r.headers["x-request-id"]
-    line = wait_until(lambda: request_line(server, request_id), "the request's log line")
+    line = wait_until(lambda: server.request_line(request_id), "the request's log line")
     assert line["status"] == "rejected" and line["stages_ms"] is None
 
 

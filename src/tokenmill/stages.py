@@ -20,6 +20,7 @@ request.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
@@ -69,6 +70,18 @@ STAGE_NAMES = tuple(name for name, _, _ in STAGES)
 ARRIVED = "tokenmill_arrived"
 
 _current: ContextVar[Marks | None] = ContextVar("tokenmill_marks", default=None)
+
+
+@functools.cache
+def clock_id() -> str | None:
+    """This host's monotonic clock: the kernel's boot id, the same for every process of
+    one boot of one machine (Linux). Two processes whose ids are equal read the same
+    ``time.monotonic()``; None where it cannot be read (no marks are then compared)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def begin(marks: Marks) -> object:

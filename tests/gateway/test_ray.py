@@ -29,6 +29,7 @@ from tests.waiting import HANG_S, wait_until
 from tokenmill.config import ReplicatedDeployment
 from tokenmill.errors import EngineError
 from tokenmill.gateway.wire import encode_frame, read_frame
+from tokenmill.stages import STAGE_NAMES
 
 PROMPT = "Tell a long story."  # 4 words: 4 prompt tokens for the scripted engine
 
@@ -211,7 +212,7 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
             on_b = replica(c, "onray")
             assert on_b["host"] == "ray" and on_b["node_id"] == node_b and on_b["pid"]
             assert replica(c, "local")["host"] == "process"
-            answers = {}
+            answers, ids = {}, {}
             for dep in ("onray", "local"):
                 request: dict[str, Any] = {"model": dep, "max_tokens": 16, "stream": True}
                 request |= {"messages": [{"role": "user", "content": "Say hi"}]}
@@ -219,6 +220,7 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
                 request |= {"stream_options": {"include_usage": True}}
                 with c.stream("POST", "/v1/chat/completions", json=request) as r:
                     assert r.status_code == 200
+                    ids[dep] = r.headers["x-request-id"]
                     got = to_done(r)
                 pieces = [e["choices"][0]["delta"].get("content", "") for e in got if e["choices"]]
                 answers[dep] = ("".join(pieces), got[-1]["usage"])
@@ -229,6 +231,11 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
             said, usage = answers["onray"]
             assert said and usage["completion_tokens"] == 16 and usage["prompt_tokens"] > 0
             assert usage["total_tokens"] == usage["prompt_tokens"] + 16
+            # Node B is this host: the actor's first-token marks are on the gateway's
+            # clock, so its TTFT stages are all logged, replica ones included, in order.
+            line = wait_until(lambda: srv.request_line(ids["onray"]), "the request's log line")
+            assert list(line["stages_ms"]) == list(STAGE_NAMES)
+            assert min(line["stages_ms"].values()) >= 0, line["stages_ms"]
             # The replica's count reaches the gateway with its next status frame.
             wait_until(lambda: replica(c, "onray")["tokens_generated"] >= 16, "the count")
     finally:
@@ -317,7 +324,7 @@ def test_a_ray_actor_serves_only_the_connection_that_brings_its_secret(
         section = scripted_on_ray(driver).model_dump(mode="json")
         actor: Any = ray.remote(ReplicaActor).options(num_cpus=0.5).remote(section, "INFO", 0, "s")
         try:
-            _, _, address, port = await actor.open.remote()
+            _, _, address, port, _ = await actor.open.remote()
             await closed_at_once(address, port, encode_frame({"op": "hello", "secret": "t"}))
             await closed_at_once(address, port, encode_frame({"op": "ping"}))
             await closed_at_once(address, port, b"\xff\xff\xff\xff")  # 4 GiB to come

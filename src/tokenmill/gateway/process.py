@@ -35,6 +35,8 @@ class SocketChannel:
     (its TCP connection, :mod:`tokenmill.gateway.rayhost`) share. End of stream, or the
     socket closed here (``close_socket``), reads as None."""
 
+    same_clock = False  # see Channel.same_clock
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer

@@ -59,6 +59,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
+from tokenmill import stages
 from tokenmill.config import ReplicatedDeployment
 from tokenmill.errors import EngineError
 from tokenmill.gateway.hosts import ReplicaLocation
@@ -184,13 +185,15 @@ class ReplicaActor:
         self._taken = False  # the gateway's connection is accepted: no other
         self._served: asyncio.Future[int] | None = None  # the replica loop's exit code
 
-    async def open(self) -> tuple[int, str, str, int]:
-        """Listen for the gateway; where: pid, node id, node address, port."""
+    async def open(self) -> tuple[int, str, str, int, str | None]:
+        """Listen for the gateway; where: pid, node id, node address, port, and the
+        host's clock (:func:`tokenmill.stages.clock_id`)."""
         address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self._served = asyncio.get_running_loop().create_future()
         self._listener = await asyncio.start_server(self._connected, address, 0)
         port = int(self._listener.sockets[0].getsockname()[1])
-        return os.getpid(), ray.get_runtime_context().get_node_id(), address, port
+        node_id = ray.get_runtime_context().get_node_id()
+        return os.getpid(), node_id, address, port, stages.clock_id()
 
     async def ended(self) -> int:
         """The replica loop's exit code, once it has ended: the gateway keeps this call
@@ -345,14 +348,16 @@ class RayLauncher:
         secret = secrets.token_hex(32)  # the actor's constructor carries it, through Ray
         actor: Any = actor_class.remote(self.section, level, self.nice, secret)
 
-        async def opened() -> tuple[int, str, str, int]:
-            where: tuple[int, str, str, int] = await actor.open.remote()
+        async def opened() -> tuple[int, str, str, int, str | None]:
+            where: tuple[int, str, str, int, str | None] = await actor.open.remote()
             return where
 
         try:
             # An actor no node can take stays pending without an error: bound the wait.
             try:
-                pid, node_id, address, port = await asyncio.wait_for(opened(), START_TIMEOUT_S)
+                pid, node_id, address, port, clock = await asyncio.wait_for(
+                    opened(), START_TIMEOUT_S
+                )
             except TimeoutError:
                 raise EngineError(
                     f"no Ray node took the replica within {START_TIMEOUT_S:g}s: does any "
@@ -375,7 +380,11 @@ class RayLauncher:
             raise
         writer.write(encode_frame({"op": "hello", "secret": secret}))
         location = ReplicaLocation(pid, node_id, address)
-        return RayChannel(actor, location, reader, writer, actor.ended.remote())
+        channel = RayChannel(actor, location, reader, writer, actor.ended.remote())
+        # On the gateway's own host (any Ray node there) the replica's first-token marks
+        # are on our clock, as a child process's are: its TTFT stages count.
+        channel.same_clock = clock is not None and clock == stages.clock_id()
+        return channel
 
     async def close(self) -> None:
         if self._connected:

@@ -65,6 +65,10 @@ PROBE_TIMEOUT_S = 30.0
 class Channel(Protocol):
     """One incarnation of a replica: frames both ways, and its end."""
 
+    # Whether the replica's time.monotonic() is ours (the same host, one boot): only then
+    # do its first-token marks join the gateway's TTFT stages (tokenmill.stages).
+    same_clock: bool
+
     def send(self, message: dict[str, Any]) -> None:
         """Queue a frame for the replica; raise ``EngineError`` if it is gone."""
 
@@ -299,7 +303,7 @@ class SupervisedHost:
     async def _read_loop(self, current: _Incarnation) -> None:
         streams = current.streams
         # A replica's monotonic marks line up with ours only on the same host's clock.
-        clock = getattr(current.channel, "same_clock", False)
+        clock = current.channel.same_clock
         try:
             while True:
                 msg = await current.channel.receive()
@@ -383,7 +387,7 @@ class SupervisedHost:
             request.request_id, {"op": "prepare", "req": encode_request(request)}
         )
         work = answer.get("t")  # when the replica began and ended the work
-        if work and current is not None and getattr(current.channel, "same_clock", False):
+        if work and current is not None and current.channel.same_clock:
             stages.mark("prepare_start", work[0])
             stages.mark("prepare_end", work[1])
         return PromptInfo(answer["prompt_tokens"], answer["context_length"])
