@@ -1,7 +1,8 @@
 """``make bench``: tokenmill against llama.cpp's own ``llama-server``, same GGUF, same threads.
 
 1. The in-process ceiling: tokenmill's llama.cpp engine driven directly with asyncio (no
-   HTTP, no gateway) at 1 and 16 concurrent sequences, in a child process of its own.
+   HTTP, no gateway) at 1 and 16 concurrent sequences, in a child process of its own,
+   kept loaded and measured in turn with the servers of 2. (medians, like theirs).
 2. Both servers are started side by side (same model file, same thread count, 16 slots of
    2048 tokens each) but measured in turn, never at the same time: ``tokenmill bench`` at
    concurrency 1, 4 and 16, several repetitions, interleaved so that drift on a shared
@@ -45,14 +46,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import constrained
 import httpx
 from firsttoken import (
     FIRST_TURN_TOKENS,
+    STAGES,
     log_size,
     read_stages,
     second_turn,
@@ -89,6 +91,7 @@ LOGPROBS_TOP = 5
 LOGPROBS_RATIO_TARGET = 0.95
 # Concurrency levels of the shared-host runs (the issue's: one person, a full server).
 CONTENDED_LEVELS = (1, SLOTS)
+T = TypeVar("T")
 CEILING_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -262,7 +265,9 @@ def run_bench(
 
 
 def ceiling_main(max_tokens: int, threads: int) -> None:
-    """Child process: the engine alone, no HTTP. Prints one JSON line."""
+    """Child process: the engine alone, no HTTP. Says ``{"ready": true}`` once loaded and
+    warm, then for each line on stdin (a number of sequences) runs them and prints one
+    JSON line, until stdin ends."""
     from tokenmill.engines.base import ChatMessage, GenerationRequest, SamplingParams
     from tokenmill.engines.llamacpp import LlamaCppEngine
 
@@ -291,25 +296,69 @@ def ceiling_main(max_tokens: int, threads: int) -> None:
         await engine.start()
         try:
             await measure(engine, 2, 1)  # warm-up
-            runs = [await measure(engine, n, 100 * rep) for rep in range(2) for n in (1, SLOTS)]
+            print(json.dumps({"ready": True}), flush=True)
+            seed = 0
+            while line := await asyncio.to_thread(sys.stdin.readline):
+                seed += 100
+                print(json.dumps(await measure(engine, int(line), seed)), flush=True)
         finally:
             await engine.close()
-        print(json.dumps(runs), flush=True)
 
     asyncio.run(main())
 
 
-def ceiling(max_tokens: int, threads: int) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--ceiling-child", "--max-tokens", str(max_tokens)]
-    cmd += ["--threads", str(threads)]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
-    runs: list[dict[str, float]] = json.loads(out.stdout.strip().splitlines()[-1])
-    best: dict[str, Any] = {}
-    for n in (1, SLOTS):
-        mine = [r["tok_s"] for r in runs if r["sequences"] == n]
-        # The best run: a ceiling is what the loop can do when the machine lets it.
-        best[str(n)] = {"tok_s": round(max(mine), 1), "runs": [round(x, 1) for x in mine]}
-    return best
+class Ceiling:
+    """The in-process ceiling: tokenmill's engine alone (no HTTP, no gateway, no client
+    process) in a child kept loaded for the whole run, so that it is measured in turn
+    with the servers, at the same moments of the machine, as often as they are."""
+
+    name = "ceiling"
+
+    def __init__(self, max_tokens: int, threads: int) -> None:
+        cmd = [sys.executable, __file__, "--ceiling-child", "--max-tokens", str(max_tokens)]
+        cmd += ["--threads", str(threads)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.runs: dict[int, list[float]] = {}
+        self._answer()  # loaded and warm
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while line := self.proc.stdout.readline():
+            if line.startswith("{"):
+                answer: dict[str, Any] = json.loads(line)
+                return answer
+        raise RuntimeError(f"the ceiling child exited ({self.proc.wait()})")
+
+    def run(self, sequences: int) -> float:
+        """``sequences`` at once, to the end; their tok/s (also kept in ``runs``)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{sequences}\n")
+        self.proc.stdin.flush()
+        tok_s = float(self._answer()["tok_s"])
+        self.runs.setdefault(sequences, []).append(tok_s)
+        return tok_s
+
+    def summary(self) -> dict[str, Any]:
+        # The median, as for the servers' runs (before stop 23 it was the best of 2
+        # runs made before any server started).
+        return {
+            str(n): {
+                "tok_s": round(statistics.median(runs), 1),
+                "best": round(max(runs), 1),
+                "runs": [round(x, 1) for x in runs],
+            }
+            for n, runs in self.runs.items()
+        }
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 # -- profile ---------------------------------------------------------------------------
@@ -393,7 +442,8 @@ def table(results: dict[str, Any]) -> str:
     ceil = results.get("ceiling")
     if ceil:
         rows.append(
-            f"\nin-process ceiling (engine alone, no HTTP, best of runs): "
+            f"\nin-process ceiling (engine alone, no HTTP; medians of runs made in turn with "
+            "the servers'): "
             f"1 seq {ceil['1']['tok_s']:.1f} tok/s {ceil['1']['runs']}, "
             f"{SLOTS} seqs {ceil[str(SLOTS)]['tok_s']:.1f} tok/s {ceil[str(SLOTS)]['runs']}"
         )
@@ -732,7 +782,7 @@ def one_run(
     report["cpu_ms_per_token"] = cpu_per_token(
         before, after, client_cpu_seconds() - client_before, report
     )
-    if s.name.startswith("tokenmill"):
+    if s.name.startswith(("tokenmill", "tm-")):
         # A request's line is logged once it is settled, just after its [DONE].
         deadline = time.monotonic() + 2.0
         stages = read_stages(s.log_path, offset)
@@ -744,13 +794,13 @@ def one_run(
 
 
 def interleaved(
-    servers: list[Server], levels: list[int] | tuple[int, ...], reps: int
-) -> Iterator[tuple[int, int, Server]]:
+    servers: Sequence[T], levels: list[int] | tuple[int, ...], reps: int
+) -> Iterator[tuple[int, int, T]]:
     """(rep, concurrency, server) in the order runs are made: every server at each
     level in turn, never two at once, and who goes first alternating from one
     repetition to the next, so that a slow phase of a shared machine hits all alike."""
     for rep in range(reps):
-        order = servers if rep % 2 == 0 else servers[::-1]
+        order = list(servers) if rep % 2 == 0 else list(servers)[::-1]
         for c in levels:
             for s in order:
                 yield rep, c, s
@@ -798,9 +848,10 @@ def measure(
     runs: dict[str, dict[int, list[dict[str, Any]]]],
     mem: dict[str, dict[str, float]],
     health: list[HealthProbe],
+    ceiling: Ceiling | None = None,
 ) -> None:
     """Fill ``runs``, ``mem`` and ``health`` as runs complete, so an interruption
-    keeps them.
+    keeps them. With ``ceiling``, it runs at c=1 and c=SLOTS in turn with the servers.
 
     A server named ``METRICS_OFF`` runs at c=SLOTS only, always next to the metrics-on
     tokenmill, so the on/off pair sees the same moment of the machine. During
@@ -809,7 +860,12 @@ def measure(
     server (``LOGPROBS`` in ``runs``) right before or after it, alternately.
     """
     tm, ls, *off = servers
-    for rep, c, s in interleaved([*off, tm, ls], levels, args.reps):
+    every: list[Server | Ceiling] = [*off, tm, ls, *([ceiling] if ceiling else [])]
+    for rep, c, s in interleaved(every, levels, args.reps):
+        if isinstance(s, Ceiling):
+            if c in (1, SLOTS):
+                log(f"rep {rep + 1}/{args.reps} c={c:<2} {s.name:<19} {s.run(c):7.1f} tok/s")
+            continue
         if s.name == METRICS_OFF and c != SLOTS:
             continue
         if s is tm and c == SLOTS:
@@ -983,6 +1039,24 @@ def ray_targets(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+def ray_stage_lines(stages: dict[str, dict[str, Any]]) -> list[str]:
+    """Per level, each first-token stage's p50 for the process replica and the Ray one."""
+    rows = ["\nfirst token, p50 per stage (ms; tokenmill.stages), process / ray:"]
+    for c in map(str, RAY_LEVELS):
+        proc = ((stages.get(PROCESS) or {}).get(c) or {}).get("p50_ms") or {}
+        ray_ = ((stages.get(RAY) or {}).get(c) or {}).get("p50_ms") or {}
+        items = [
+            f"{name} {proc[name]:.2f}/{ray_[name]:.2f}"
+            for name in STAGES
+            if name in proc and name in ray_
+        ]
+        missing = [name for name in STAGES if name in proc and name not in ray_]
+        rows.append(f"  c={c:<3} " + "  ".join(items))
+        if missing:
+            rows.append(f"        not from the Ray replica (another host's clock): {missing}")
+    return rows
+
+
 def ray_table(results: dict[str, Any]) -> str:
     ray = results["ray"]
     rows = [
@@ -1039,6 +1113,7 @@ def ray_table(results: dict[str, Any]) -> str:
                 f"(whole tree {cpu['server'] + cpu['children']:.2f})  "
                 f"load generator {cpu['client']:.3f}"
             )
+    rows += ray_stage_lines(ray.get("stages") or {})
     rows.append("\nServe's proxy path against the direct gateway (one cell, SQLite ledger):")
     for c, sv in ray["summary"]["serve"].items():
         rows.append(
@@ -1089,6 +1164,13 @@ def ray_section(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "serve": summarize(runs, SERVE, PROCESS),
     }
     out["targets"] = ray_targets(out["summary"])
+    # The first token's stages (p50 over every request of a level's runs) of the process
+    # and the Ray replica: where a difference in TTFT lies. A Ray replica's own stages
+    # are there because its node is this host (same clock).
+    out["stages"] = {
+        name: {str(c): stage_summary(reports, 0.0, 0.0) for c, reports in runs[name].items()}
+        for name in (PROCESS, RAY)
+    }
     return out
 
 
@@ -1099,8 +1181,10 @@ def llama_server_section(
     gguf: Path,
     results: dict[str, Any],
     tmp: Path,
+    ceiling: Ceiling | None,
 ) -> None:
-    """tokenmill against llama-server (and tokenmill without metrics): fills ``results``."""
+    """tokenmill against llama-server (and tokenmill without metrics), and the
+    in-process ceiling in turn with them: fills ``results``."""
     from tokenmill.engines.threads import extra_buffers_work
 
     model_mb = results["model_mb"]
@@ -1138,7 +1222,7 @@ def llama_server_section(
             "pause_s": args.turn_pause,
         }
         try:
-            measure(servers, levels, args, runs, mem, health)
+            measure(servers, levels, args, runs, mem, health, ceiling)
             if args.second_turns > 0:
                 second_turn_runs(servers[0], servers[1], args, turns)
             if args.busy > 0:
@@ -1147,6 +1231,9 @@ def llama_server_section(
             # Stopped early (Ctrl-C, SIGTERM from a timeout): report what was measured.
             results["interrupted"] = True
             log("interrupted: reporting the runs completed so far")
+        if ceiling is not None and ceiling.runs:
+            results["ceiling"] = ceiling.summary()
+            log(f"ceiling: {results['ceiling']}")
         for s in servers:
             mem[s.name] = mem[s.name] or memory_mb(s.proc.pid)
         results["runs"] = {
@@ -1306,17 +1393,20 @@ def main() -> int:
         print(constrained.table(results, SLOTS), flush=True)
         print(f"\nfull results: {out_file}", flush=True)
         return 0
-    if not args.no_ceiling and not args.only_ray:
-        log("in-process ceiling: the engine alone at 1 and 16 sequences")
-        results["ceiling"] = ceiling(args.max_tokens, args.threads)
-        log(f"ceiling: {results['ceiling']}")
-
     tmp = Path(tempfile.mkdtemp(prefix="tokenmill-bench-"))
     if not args.only_ray:
         log("llama-server: building if not cached (several minutes the first time)")
         binary = llama_server_binary()
         results["llama_server"] = str(binary)
-        llama_server_section(args, levels, binary, gguf, results, tmp)
+        ceiling = None
+        if not args.no_ceiling:
+            log("in-process ceiling: the engine alone, loaded beside the servers")
+            ceiling = Ceiling(args.max_tokens, args.threads)
+        try:
+            llama_server_section(args, levels, binary, gguf, results, tmp, ceiling)
+        finally:
+            if ceiling is not None:
+                ceiling.close()
     if not (args.no_constrained or args.only_ray or results.get("interrupted")):
         log("structured outputs: plain and JSON-schema runs on one tokenmill, in turn")
         results["constrained"] = constrained_section(args, tmp)
