@@ -2,7 +2,7 @@
 
 :class:`SupervisedHost` is a :class:`~tokenmill.gateway.hosts.ReplicaHost` whose engine
 runs elsewhere: a child process (:mod:`tokenmill.gateway.process`) or a Ray actor
-(:mod:`tokenmill.gateway.ray`). Both speak the frames of :mod:`tokenmill.gateway.wire`
+(:mod:`tokenmill.gateway.rayhost`). Both speak the frames of :mod:`tokenmill.gateway.wire`
 and run the same replica loop (:mod:`tokenmill.gateway.runner`); only what carries the
 frames differs, and that is a :class:`Launcher` and its :class:`Channel`. Everything
 else lives here once: multiplexing requests by id, cancellation, the health probe, and
