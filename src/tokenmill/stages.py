@@ -76,7 +76,9 @@ _current: ContextVar[Marks | None] = ContextVar("tokenmill_marks", default=None)
 def clock_id() -> str | None:
     """This host's monotonic clock: the kernel's boot id, the same for every process of
     one boot of one machine (Linux). Two processes whose ids are equal read the same
-    ``time.monotonic()``; None where it cannot be read (no marks are then compared)."""
+    ``time.monotonic()`` (unless one runs in a time namespace of its own, which offsets
+    it: its stages would be off, never a request); None where it cannot be read (no
+    marks are then compared)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip() or None
