@@ -68,9 +68,7 @@ def read_stages(path: Path, offset: int) -> list[dict[str, float]]:
     return out
 
 
-def stage_summary(
-    reports: list[dict[str, Any]], tm_ttft_p50: float, ls_ttft_p50: float
-) -> dict[str, Any] | None:
+def stage_summary(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Medians per stage over every request of ``reports`` (tokenmill's runs at a level)."""
     samples = [s for r in reports for s in r.get("stages_ms", [])]
     if not samples:
@@ -86,8 +84,6 @@ def stage_summary(
         "sum_p50_ms": round(sum(p50.values()), 2),
         # The whole server side, request by request (the sum of each one's stages).
         "server_p50_ms": round(statistics.median(sum(s.values()) for s in samples), 2),
-        "tokenmill_ttft_p50_ms": tm_ttft_p50,
-        "llama_server_ttft_p50_ms": ls_ttft_p50,
     }
 
 

@@ -643,8 +643,10 @@ def summarize(
         row["tok_s_ratio"] = round(tm["tok_s"] / ls["tok_s"], 3) if ls["tok_s"] else 0.0
         row["ttft_p50_ratio"] = round(tm["ttft_p50_ms"] / ls["ttft_p50_ms"], 3)
         row["ttft_p50_diff_ms"] = round(tm["ttft_p50_ms"] - ls["ttft_p50_ms"], 2)
-        stages = stage_summary(runs[name][c], tm["ttft_p50_ms"], ls["ttft_p50_ms"])
+        stages = stage_summary(runs[name][c])
         if stages is not None:
+            stages["tokenmill_ttft_p50_ms"] = tm["ttft_p50_ms"]
+            stages["llama_server_ttft_p50_ms"] = ls["ttft_p50_ms"]
             row["first_token_stages"] = stages
         summary[str(c)] = row
     return summary
@@ -800,7 +802,7 @@ def interleaved(
     level in turn, never two at once, and who goes first alternating from one
     repetition to the next, so that a slow phase of a shared machine hits all alike."""
     for rep in range(reps):
-        order = list(servers) if rep % 2 == 0 else list(servers)[::-1]
+        order = servers[::-1] if rep % 2 else servers
         for c in levels:
             for s in order:
                 yield rep, c, s
@@ -1168,7 +1170,7 @@ def ray_section(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     # and the Ray replica: where a difference in TTFT lies. A Ray replica's own stages
     # are there because its node is this host (same clock).
     out["stages"] = {
-        name: {str(c): stage_summary(reports, 0.0, 0.0) for c, reports in runs[name].items()}
+        name: {str(c): stage_summary(reports) for c, reports in runs[name].items()}
         for name in (PROCESS, RAY)
     }
     return out

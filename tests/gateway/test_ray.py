@@ -363,7 +363,8 @@ def test_a_ray_channel_ends_when_ray_says_its_actor_died_though_its_socket_stays
         try:
             await actor.open.remote()
             reader, writer = await asyncio.open_connection(sock=ours)
-            channel = RayChannel(actor, ReplicaLocation(), reader, writer, actor.ended.remote())
+            ended = actor.ended.remote()
+            channel = RayChannel(actor, ReplicaLocation(), reader, writer, ended, None)
             receiving = asyncio.ensure_future(channel.receive())
             ray.kill(actor, no_restart=True)
             assert await asyncio.wait_for(receiving, HANG_S) is None

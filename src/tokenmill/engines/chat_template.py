@@ -69,12 +69,12 @@ _ANSWER = "\u2063tokenmill-answer\u2063"
 _NEXT = "\u2063tokenmill-next\u2063"
 
 
-@lru_cache(maxsize=64)
 def next_user_turn(source: str, bos_token: str, eos_token: str) -> str | None:
     """What the template writes between an assistant's answer and the next user
     message's text: for ChatML ``<|im_end|>\n<|im_start|>user\n``. None when the
     template does not write an answer as it is followed by that text (one that
-    rewrites or drops earlier answers), or fails to render the probe."""
+    rewrites or drops earlier answers), or fails to render the probe. Renders the
+    template each call: the engine keeps what it makes of the answer."""
     messages = [
         ChatMessage("user", "Hello."),
         ChatMessage("assistant", _ANSWER),

@@ -79,6 +79,8 @@ PREFILL_CHUNK = 512
 # person takes seconds to answer; a program that sends its next request at once
 # arrives well before this and is never kept waiting by it.
 WARM_AFTER_S = 0.2
+# Chat templates whose next-turn tokens are kept (the model's, and requests' own).
+NEXT_TURNS_KEPT = 64
 
 
 @dataclass(slots=True)
@@ -186,6 +188,9 @@ class LlamaCppEngine:
         # ended there, to compute once the engine has been idle WARM_AFTER_S.
         self._warm: tuple[int, int, list[int]] | None = None
         self.warmups = 0  # next turns computed ahead (see _warm_next_turn)
+        # Chat template source -> its next-turn tokens (see _next_turn): the same few
+        # tokens for every chat with that template, tokenized once.
+        self._next_turns: dict[str, tuple[int, ...]] = {}
         # Request id -> the marks of its first token (queued, picked, decoded, sampled:
         # tokenmill.stages), until the sink sends them with the token.
         self.first_marks: dict[str, tuple[float, ...]] = {}
@@ -481,8 +486,15 @@ class LlamaCppEngine:
             return ()
         vocab = self.vocab
         source = request.chat_template or vocab.template
-        text = next_user_turn(source, vocab.bos, vocab.eos) if source else None
-        return tuple(vocab.tokenize(text, bos=False)) if text else ()
+        if not source:
+            return ()
+        tokens = self._next_turns.get(source)
+        if tokens is None:
+            text = next_user_turn(source, vocab.bos, vocab.eos)
+            tokens = tuple(vocab.tokenize(text, bos=False)) if text else ()
+            if len(self._next_turns) < NEXT_TURNS_KEPT:  # requests' own templates vary
+                self._next_turns[source] = tokens
+        return tokens
 
     def cancel(self, request_id: str) -> None:
         """Stop a request within one step; unknown or finished ids are ignored."""

@@ -258,8 +258,12 @@ class RayChannel(SocketChannel):
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         ended: Any,  # the ObjectRef of actor.ended
+        clock: str | None,  # the actor's host's clock (stages.clock_id)
     ) -> None:
         super().__init__(reader, writer)
+        # On the gateway's own host (any Ray node there) the replica's first-token marks
+        # are on our clock, as a child process's are: its TTFT stages count.
+        self.same_clock = clock is not None and clock == stages.clock_id()
         self.actor = actor
         self._location = location
         self._how: str | None = None  # how it ended, once it has
@@ -380,11 +384,7 @@ class RayLauncher:
             raise
         writer.write(encode_frame({"op": "hello", "secret": secret}))
         location = ReplicaLocation(pid, node_id, address)
-        channel = RayChannel(actor, location, reader, writer, actor.ended.remote())
-        # On the gateway's own host (any Ray node there) the replica's first-token marks
-        # are on our clock, as a child process's are: its TTFT stages count.
-        channel.same_clock = clock is not None and clock == stages.clock_id()
-        return channel
+        return RayChannel(actor, location, reader, writer, actor.ended.remote(), clock)
 
     async def close(self) -> None:
         if self._connected:
