@@ -18,7 +18,7 @@ the same code (:class:`~tokenmill.gateway.process.SocketChannel` here,
 way) cost what Ray charges per object: on 2 cores, 1.26 ms of gateway CPU a token
 against a process replica's 0.44 at one stream, 20.46 ms of actor CPU against
 19.87, and so 0.83 of a process replica's tok/s at concurrency 1 and 0.91 at 16 (the
-README's Ray benchmark). Over the socket a frame costs a ``write`` and a read, as for
+Ray runs in docs/benchmarks.md). Over the socket a frame costs a ``write`` and a read, as for
 a process replica: in two (busy) runs the gateway spent 0.61 and 0.79 ms of CPU a
 token with a Ray replica at one stream, against 0.62 and 0.77 with a process replica.
 
