@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from tokenmill.engines.base import Chunk, Usage
+from tokenmill.engines.results import Chunk, Usage
 
 __all__ = ["ChunkStream"]
 
