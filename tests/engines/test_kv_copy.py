@@ -12,65 +12,58 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import llama_cpp as ll
 import numpy as np
 import pytest
 
-from tokenmill.engines.llamacpp import LlamaCppEngine
+from tokenmill.engines.embedded import embedded_model_path
+from tokenmill.engines.llamacpp.context import LlamaContext
 
 PROMPT = "The lighthouse on the rocky northern coast was built in the year"
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[LlamaCppEngine]:
-    # Loaded, not started: this test drives llama.cpp on its own thread, as the decode
-    # thread would.
-    eng = LlamaCppEngine(max_num_seqs=4, adapt_threads=False)
-    eng._load()
+def engine() -> Iterator[LlamaContext]:
+    # The engine's llama.cpp context alone, no decode loop: this test drives it on its
+    # own thread, as the decode thread would.
+    ctx = LlamaContext(
+        embedded_model_path(), n_slots=4, n_ctx_seq=2048, n_threads=2, batch_size=512
+    )
     try:
-        yield eng
+        yield ctx
     finally:
-        eng._unload()
+        ctx.close()
 
 
-def decode(eng: LlamaCppEngine, seq: int, tokens: list[int], start: int) -> np.ndarray[Any, Any]:
-    batch = eng._batch
-    batch.n_tokens = len(tokens)
+def decode(ctx: LlamaContext, seq: int, tokens: list[int], start: int) -> np.ndarray[Any, Any]:
     for i, token in enumerate(tokens):
-        batch.token[i] = token
-        batch.pos[i] = start + i
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq
-        batch.logits[i] = i == len(tokens) - 1
-    assert ll.llama_decode(eng._ctx, batch) == 0
-    eng._copies_queued = False  # as _step does after every decode
-    n_vocab = eng.vocab.n_tokens
-    return np.ctypeslib.as_array(ll.llama_get_logits_ith(eng._ctx, -1), shape=(n_vocab,)).copy()
+        ctx.add(i, token, start + i, seq, i == len(tokens) - 1)
+    assert ctx.decode(len(tokens)) == 0
+    return ctx.logits(len(tokens) - 1).copy()
 
 
-def test_copied_cells_read_as_the_original(engine: LlamaCppEngine) -> None:
+def test_copied_cells_read_as_the_original(engine: LlamaContext) -> None:
     tokens = engine.vocab.tokenize(PROMPT)
     assert len(tokens) > 8
     for seq in range(4):
-        assert ll.llama_memory_seq_rm(engine._mem, seq, -1, -1)
+        assert engine.drop(seq, -1)
     decode(engine, 0, tokens, 0)
     # Slot 1 held something else: the copy replaces all of it.
     decode(engine, 1, tokens[::-1], 0)
 
-    engine._copy_seq(0, 1)  # at once, through the sequence state
-    assert not engine._copies_queued
+    engine.copy_seq(0, 1)  # at once, through the sequence state
+    assert not engine.copies_queued
 
-    engine._copies_queued = True  # as if llama.cpp had refused a state before
-    engine._copy_seq(0, 2)  # queued behind it, done by the next decode
-    assert engine._copies_queued
+    engine.copies_queued = True  # as if llama.cpp had refused a state before
+    engine.copy_seq(0, 2)  # queued behind it, done by the next decode
+    assert engine.copies_queued
 
     nxt = engine.vocab.tokenize(" 1")[-1]
     n = len(tokens)
     original = decode(engine, 0, [nxt], n)
-    assert not engine._copies_queued
+    assert not engine.copies_queued
     for seq in (1, 2):
         copy = decode(engine, seq, [nxt], n)
         assert np.array_equal(copy, original), seq
     # The original's cells are its own still: decoding on the copies changed nothing.
-    ll.llama_memory_seq_rm(engine._mem, 0, n, -1)
+    assert engine.drop(0, n)
     assert np.array_equal(decode(engine, 0, [nxt], n), original)

@@ -112,12 +112,12 @@ async def test_completions_and_stopped_answers_are_not_warmed(engine: LlamaCppEn
     async for _ in engine.generate(request):
         pass
     # The decode thread plans a warm-up before it sends the last chunk: none here.
-    assert engine._warm is None
+    assert engine.slot_cache.warm_up is None
     # An answer a stop string cut: the client sends back text the cache does not hold.
     _, reason, _ = await chat(engine, "s", [SYSTEM, FIRST], max_tokens=40, stop=(" ",))
     assert reason == "stop"
-    assert engine._warm is None
+    assert engine.slot_cache.warm_up is None
     assert engine.warmups == 0
     # A chat's answer, for contrast: planned (or, on a slow machine, already done).
     await chat(engine, "c", [SYSTEM, FIRST], max_tokens=2)
-    assert engine._warm is not None or engine.warmups == 1
+    assert engine.slot_cache.warm_up is not None or engine.warmups == 1

@@ -6,9 +6,9 @@ second ``llama_context`` made for embeddings (``embeddings = true``), created on
 first request and freed with the engine.
 
 Work runs on the engine's decode thread, between two decode steps of the streams:
-the ``_run`` loop calls :meth:`Embedder.step` while jobs are queued, and a step
-decodes at most ``EMBED_CHUNK`` tokens of inputs, then the streams get their next
-token. So embeddings neither hold streams up for longer than a prompt's prefill
+the decode loop (``llamacpp/loop.py``) calls :meth:`Embedder.step` while jobs are
+queued, and a step decodes at most ``EMBED_CHUNK`` tokens of inputs, then the streams
+get their next token. So embeddings neither hold streams up for longer than a prompt's prefill
 chunk nor wait for them to finish.
 
 Pooling: a model whose GGUF declares one (``<arch>.pooling_type``: an embedding

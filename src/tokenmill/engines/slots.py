@@ -1,6 +1,6 @@
 """Which KV slot a new request takes, and which cached tokens move with it.
 
-The llama.cpp engine (``llamacpp.py``) gives every running request a slot: a llama.cpp
+The llama.cpp engine (``llamacpp/``) gives every running request a slot: a llama.cpp
 sequence with its own KV stream. What a slot's KV cells hold outlives the request
 that wrote them, as a prefix cache. This module decides, for a request about to be
 admitted, which free slot it takes, whether another slot's cached prefix is copied
@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 # Copying another slot's cached cells costs in proportion to them, about 4 us a cell
-# (0.7 ms for 180 cells of SmolLM2-135M measured here, the engine's ``_copy_seq``),
+# (0.7 ms for 180 cells of SmolLM2-135M measured here, ``LlamaContext.copy_seq``),
 # far less than computing them; a copy saving fewer tokens than this is not worth the
 # bookkeeping.
 KV_COPY_MIN_TOKENS = 4
@@ -107,7 +107,7 @@ def plan_placement(
     """Give a request a free slot, reusing the longest cached prefix of its prompt.
 
     The slot is chosen to keep the running slots in few runs of consecutive ids:
-    llama.cpp decodes each run in a pass of its own (see the engine's ``_step``), so
+    llama.cpp decodes each run in a pass of its own (see ``llamacpp/batch.py``), so
     a slot that opens a new run costs an extra pass on every step until the gap fills
     (measured here: 4 sequences in one run ~21 ms a step, in two ~32 ms). Among
     equally good slots, the one whose own cache shares most of the prompt wins, then

@@ -1,0 +1,79 @@
+"""What one decode step computes: the batch of the llama.cpp engine's step loop.
+
+Every decoding choice gets its next token; the prompt budget left goes to prefilling
+choices first come, first served, so a long prompt never stalls running streams. A
+follower (see :mod:`.choices`) waits for its leader's prompt: it neither decodes nor
+prefills.
+
+The batch is laid out in slot order. With one KV stream per slot, llama.cpp splits
+a batch into one ubatch (one pass over the weights) per run of consecutive sequence
+ids, taking the same number of tokens from each: in any other order the same tokens
+cost up to one pass per sequence.
+
+Plain Python, unit-tested without a model: the loop writes :class:`BatchPlan`'s rows
+into llama.cpp's batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from tokenmill.engines.llamacpp.choices import Choice
+
+__all__ = ["BatchPlan", "Row", "plan_batch"]
+
+# One batch row: (token, its position, the slot's sequence id, whether its logits
+# are wanted).
+Row = tuple[int, int, int, bool]
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    rows: list[Row] = field(default_factory=list)
+    # (choice, row): the row whose logits give the choice's next token.
+    outputs: list[tuple[Choice, int]] = field(default_factory=list)
+    # (choice, row): prompt rows whose logits give the prompt's log probabilities
+    # (echo with logprobs), in prompt order.
+    prompt_rows: list[tuple[Choice, int]] = field(default_factory=list)
+    # (choice, end): its prompt tokens ``n_past:end`` are in this batch.
+    prefills: list[tuple[Choice, int]] = field(default_factory=list)
+
+
+def plan_batch(running: Collection[Choice], *, prefill_chunk: int, capacity: int) -> BatchPlan:
+    """The next step's batch for ``running`` (in arrival order), at most ``capacity``
+    rows of which at most ``prefill_chunk`` prompt tokens."""
+    decoding = sum(1 for s in running if s.prefilled)
+    budget = min(prefill_chunk, capacity - decoding)
+    grant: dict[str, int] = {}
+    for seq in running:
+        if budget <= 0:
+            break
+        if not seq.prefilled and seq.leader is None:
+            grant[seq.key] = take = min(len(seq.prompt) - seq.n_past, budget)
+            budget -= take
+    plan = BatchPlan()
+    rows = plan.rows
+    for seq in sorted(running, key=_by_slot):
+        if seq.prefilled:
+            plan.outputs.append((seq, len(rows)))
+            rows.append((seq.last_token, seq.n_past, seq.slot, True))
+            continue
+        take = grant.get(seq.key, 0)
+        if take == 0:
+            continue
+        start, end = seq.n_past, seq.n_past + take
+        collect = seq.prompt_logprobs is not None
+        last = len(seq.prompt) - 1
+        for i in range(start, end):
+            if i == last:
+                plan.outputs.append((seq, len(rows)))
+            elif collect:
+                plan.prompt_rows.append((seq, len(rows)))
+            rows.append((seq.prompt[i], i, seq.slot, i == last or collect))
+        plan.prefills.append((seq, end))
+    return plan
+
+
+def _by_slot(seq: Choice) -> int:
+    return seq.slot

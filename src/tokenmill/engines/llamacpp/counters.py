@@ -1,0 +1,19 @@
+"""What the llama.cpp engine has done since it was made, for health and tests.
+
+One object for the engine's whole life: it outlives the model and its decode loop,
+which are made anew by every ``start()`` after a ``close()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Counters"]
+
+
+@dataclass(slots=True)
+class Counters:
+    tokens_generated: int = 0  # completion tokens sampled, every request together
+    steps: int = 0  # llama_decode calls of the step loop
+    kv_copies: int = 0  # KV streams copied from slot to slot (parking, prefixes, n)
+    warmups: int = 0  # next turns computed ahead (see KvSlots.warm)

@@ -1,0 +1,385 @@
+"""The llama.cpp engine's face: the ``Engine`` interface over one decode loop.
+
+:class:`LlamaCppEngine` loads the model (:class:`~.context.LlamaContext`), starts
+the decode thread (:class:`~.loop.DecodeLoop`) and turns requests into groups of
+choices (:mod:`.choices`, :mod:`.intake`) for it; it hands each step's chunks to the
+streams of ``generate()`` on the event loop, or to a replica's step sink. Health,
+tokenization and embeddings' intake are answered here; everything that happens
+between two steps happens on the decode thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenmill import stages
+from tokenmill.config import LlamaCppDeployment
+from tokenmill.engines.base import (
+    Chunk,
+    EngineHealth,
+    GenerationRequest,
+    Prepared,
+    PromptInfo,
+    StepSink,
+    TokenizeRequest,
+    TokenizerInfo,
+)
+from tokenmill.engines.chunks import ChunkStream
+from tokenmill.engines.embedded import embedded_model_path
+from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
+from tokenmill.engines.grammar import GrammarCache
+from tokenmill.engines.llama_embed import Embedder
+from tokenmill.engines.llamacpp.choices import Choice, build_group
+from tokenmill.engines.llamacpp.context import LlamaContext
+from tokenmill.engines.llamacpp.counters import Counters
+from tokenmill.engines.llamacpp.intake import NextTurns, prompt_tokens
+from tokenmill.engines.llamacpp.kvslots import KvSlots
+from tokenmill.engines.llamacpp.loop import PREFILL_CHUNK, DecodeLoop
+from tokenmill.engines.llamacpp.slotcache import SlotCache
+from tokenmill.engines.threads import ThreadTuner, available_cpus
+from tokenmill.engines.vocab import Vocab
+from tokenmill.errors import EngineError
+
+__all__ = ["LlamaCppEngine"]
+
+log = logging.getLogger("tokenmill.engines.llamacpp")
+
+
+class _Loaded:
+    """What one ``start()`` makes and ``close()`` frees: the model and its loop."""
+
+    def __init__(self, engine: LlamaCppEngine, path: Path) -> None:
+        n_slots = engine.max_num_seqs
+        self.context = LlamaContext(
+            path,
+            n_slots=n_slots,
+            n_ctx_seq=engine.n_ctx_seq,
+            n_threads=engine.n_threads,
+            batch_size=max(PREFILL_CHUNK + n_slots, 512),
+        )
+        context = self.context
+        self.cache: SlotCache[Choice] = SlotCache(n_slots, context.n_ctx_seq)
+        cv = threading.Condition()
+        self.embedder = Embedder(
+            context.model,
+            context.vocab,
+            window=context.n_ctx_seq,
+            n_threads=engine.n_threads,
+            cv=cv,
+        )
+        self.loop = DecodeLoop(
+            context,
+            KvSlots(context, self.cache, engine.counters),
+            cv=cv,
+            post=engine._post,
+            counters=engine.counters,
+            first_marks=engine.first_marks,
+            tuner=engine._tuner,
+            embedder=self.embedder,
+        )
+        self.next_turns = NextTurns(context.vocab)
+        # Compiled grammars of constrained requests (see grammar.py), made on first use.
+        self.grammars: GrammarCache | None = None
+
+    def close(self) -> None:
+        self.embedder.close()
+        self.context.close()
+
+
+class LlamaCppEngine:
+    """Continuous batching over one loaded GGUF model. See the package docstring."""
+
+    name = "llamacpp"
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        max_num_seqs: int = 16,
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+        adapt_threads: bool = True,
+    ) -> None:
+        self.model_path = Path(model_path) if model_path else None
+        self.max_num_seqs = max_num_seqs
+        self.n_ctx_seq = n_ctx
+        self.n_threads = n_threads or available_cpus()
+        # Fewer threads when the cores are shared with other busy work (see threads.py).
+        self._tuner = ThreadTuner(self.n_threads) if adapt_threads else None
+        self._loaded: _Loaded | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._start_lock = asyncio.Lock()
+        # Streams of generate() requests, filled on the event loop by the default sink.
+        self._streams: dict[str, ChunkStream] = {}
+        self._prepared: Prepared[list[list[int]]] = Prepared()
+        self.counters = Counters()
+        # Request id -> the marks of its first token (queued, picked, decoded, sampled:
+        # tokenmill.stages), until the sink sends them with the token.
+        self.first_marks: dict[str, tuple[float, ...]] = {}
+        # Receives every step's chunks on the decode thread: by default it hands them to
+        # the streams of generate() on the event loop; a replica process sets its own.
+        self._sink: StepSink = self._to_streams
+        self._own_sink = False
+
+    @classmethod
+    def from_config(cls, config: LlamaCppDeployment) -> LlamaCppEngine:
+        n_threads = config.n_threads
+        if n_threads is None and config.replicas > 1 and config.placement != "ray":
+            # Replicas of one deployment share this host's cores; oversubscribed
+            # llama.cpp thread pools spin against each other and every replica slows.
+            n_threads = max(1, available_cpus() // config.replicas)
+        return cls(
+            config.model,
+            max_num_seqs=config.max_num_seqs,
+            n_ctx=config.n_ctx,
+            n_threads=n_threads,
+            adapt_threads=config.adapt_threads,
+        )
+
+    # -- what it has done and holds (health, tests, the bench) -----------------------
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.counters.tokens_generated
+
+    @property
+    def steps(self) -> int:
+        return self.counters.steps
+
+    @property
+    def kv_copies(self) -> int:
+        return self.counters.kv_copies
+
+    @property
+    def warmups(self) -> int:
+        return self.counters.warmups
+
+    @property
+    def slot_cache(self) -> SlotCache[Choice]:
+        """What every KV slot holds (read it, or subscribe to its changes)."""
+        return self._require().cache
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._thread is not None:
+                return
+            self._loop = asyncio.get_running_loop()
+            loaded = await asyncio.to_thread(self._load)
+            self._thread = threading.Thread(
+                target=loaded.loop.run, name=f"llamacpp-decode-{id(self):x}", daemon=True
+            )
+            self._thread.start()
+
+    async def close(self) -> None:
+        thread, loaded = self._thread, self._loaded
+        if thread is None or loaded is None:
+            return
+        loaded.loop.stop()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+        self._loaded = None
+        loaded.close()
+
+    def _load(self) -> _Loaded:
+        path = self.model_path or embedded_model_path()
+        loaded = self._loaded = _Loaded(self, path)
+        self.n_ctx_seq = loaded.context.n_ctx_seq
+        log.info(
+            "loaded %s: %d slots x %d tokens, %d threads",
+            path.name,
+            self.max_num_seqs,
+            self.n_ctx_seq,
+            self.n_threads,
+        )
+        return loaded
+
+    def _require(self) -> _Loaded:
+        if self._loaded is None:
+            raise EngineError("the model is not loaded")
+        return self._loaded
+
+    def _check_started(self) -> _Loaded:
+        if self._thread is None or self._loaded is None:
+            raise EngineError("the engine is not started")
+        return self._loaded
+
+    # -- prompts -------------------------------------------------------------------
+
+    @property
+    def vocab(self) -> Vocab:
+        return self._require().context.vocab
+
+    async def prepare(self, request: GenerationRequest) -> PromptInfo:
+        if self._loaded is None:
+            await self.start()
+        prompts = self._prompts(request)
+        constraint = request.sampling.constraint
+        if constraint is not None:
+            # Compiling a large grammar takes a while: not on the event loop, and
+            # checked here so that a bad one is a 400 before anything is held.
+            await asyncio.to_thread(self._grammar_cache().compile, constraint)
+        self._prepared.put(request.request_id, prompts)
+        return PromptInfo(
+            prompt_tokens=sum(map(len, prompts)),
+            context_length=self.n_ctx_seq,
+            longest_prompt=max(map(len, prompts)),
+        )
+
+    def _prompts(self, request: GenerationRequest) -> list[list[int]]:
+        return prompt_tokens(
+            request, self.vocab, n_ctx=self.n_ctx_seq, max_choices=self.max_num_seqs
+        )
+
+    def _grammar_cache(self) -> GrammarCache:
+        loaded = self._require()
+        if loaded.grammars is None:
+            vocab = loaded.context.vocab
+            eog = [t for t in range(vocab.n_tokens) if vocab.is_eog(t)]
+            loaded.grammars = GrammarCache(vocab.handle, vocab.n_tokens, eog)
+        return loaded.grammars
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+        if self._loaded is None:
+            await self.start()
+        return self.vocab.tokenize(self.vocab.render(request))
+
+    async def detokenize(self, tokens: Sequence[int]) -> str:
+        if self._loaded is None:
+            await self.start()
+        return self.vocab.detokenize(tokens)
+
+    def context_length(self) -> int:
+        return self.n_ctx_seq
+
+    async def tokenizer_info(self) -> TokenizerInfo:
+        if self._loaded is None:
+            await self.start()
+        return self.vocab.info(self.n_ctx_seq)
+
+    # -- embeddings (the work runs on the decode thread: see llama_embed.py) -----------
+
+    async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
+        if self._loaded is None:
+            await self.start()
+        return self._require().embedder.prepare(request)
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        loaded = self._check_started()
+        return await loaded.embedder.embed(request, failed=lambda: loaded.loop.failed)
+
+    # -- requests ----------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest) -> ChunkStream:
+        if self._own_sink:
+            raise EngineError("this engine has a step sink: start requests with submit()")
+        self._check_started()
+        rid = request.request_id
+        stream = ChunkStream(rid, self.cancel)
+        self._streams[rid] = stream
+        try:
+            self._enqueue(request)
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
+        return stream
+
+    def _enqueue(self, request: GenerationRequest) -> None:
+        loaded = self._require()
+        prompts = self._prepared.take(request.request_id)
+        if prompts is None:
+            prompts = self._prompts(request)
+        grammars = None if request.sampling.constraint is None else self._grammar_cache()
+        group = build_group(
+            request,
+            prompts,
+            next_turn=loaded.next_turns.of(request),
+            start_grammar=None if grammars is None else grammars.start,
+        )
+        loaded.loop.enqueue(group)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request within one step; unknown or finished ids are ignored."""
+        if self._loaded is not None:
+            self._loaded.loop.cancel(request_id)
+
+    # -- the step sink: chunks straight from the decode thread -----------------------
+
+    def set_step_sink(self, sink: StepSink) -> None:
+        """Receive every request's chunks on the decode thread.
+
+        ``sink`` is called once per decode step with every ``(request_id, chunk or
+        error)`` the step produced, before the next step starts. A replica process
+        writes them to the gateway from there, so a token crosses no event loop on
+        its way out (see :mod:`tokenmill.gateway.runner`). It must not block for
+        long, and must not call back into the engine. Requests are then started with
+        :meth:`submit`.
+        """
+        self._sink = sink
+        self._own_sink = True
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Start ``request``; its chunks, up to one with a finish reason or an
+        error, go to the step sink. :meth:`cancel` ends it early (the final chunk,
+        finish reason ``abort``, carries the usage)."""
+        if not self._own_sink:
+            raise EngineError("submit() needs a step sink")
+        self._check_started()
+        self._enqueue(request)
+
+    def _post(self, events: list[tuple[str, Chunk | BaseException]]) -> None:
+        """The decode loop's output: every step's chunks, to the current sink."""
+        self._sink(events)
+
+    def _to_streams(self, events: list[tuple[str, Chunk | BaseException]]) -> None:
+        """The default step sink: each chunk to its request's stream, on the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        streams = self._streams
+        first = stages.take_first(self.first_marks, (rid for rid, _ in events))
+
+        def deliver() -> None:
+            for rid, item in events:
+                stream = streams.get(rid)
+                if stream is not None:
+                    if first is not None and rid in first:
+                        stream.marks = stages.received(first[rid], time.monotonic())
+                    stream.put(item)
+                    if stream.ended:
+                        del streams[rid]
+
+        with contextlib.suppress(RuntimeError):  # loop closed during shutdown
+            loop.call_soon_threadsafe(deliver)
+
+    def health(self) -> EngineHealth:
+        loaded = self._loaded
+        total = max(1, self.n_ctx_seq * self.max_num_seqs)
+        return EngineHealth(
+            ready=self._thread is not None and loaded is not None and loaded.loop.failed is None,
+            slots=self.max_num_seqs,
+            running=0 if loaded is None else len(loaded.loop.running),
+            waiting=0 if loaded is None else loaded.loop.waiting,
+            tokens_generated=self.tokens_generated,
+            kv_cache_usage=0.0 if loaded is None else loaded.cache.used_tokens() / total,
+            threads=self.n_threads if loaded is None else loaded.context.threads,
+            detail={"stalled_s": self.stalled_s()},
+        )
+
+    def stalled_s(self) -> float:
+        """How long the decode step in progress has been running (0 between steps)."""
+        loaded = self._loaded
+        if loaded is None:
+            return 0.0
+        since = loaded.context.decoding_since
+        if since is None:
+            since = loaded.embedder.decoding_since
+        return 0.0 if since is None else time.monotonic() - since

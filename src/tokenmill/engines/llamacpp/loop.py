@@ -1,0 +1,367 @@
+"""The decode loop: one thread, one ``llama_decode`` a step, every running choice in it.
+
+Each step the loop admits queued requests whole (all of a request's choices get a
+slot at once), ends the cancelled ones, builds one batch holding the next token of
+every decoding choice plus a bounded chunk of pending prompt tokens (:mod:`.batch`),
+decodes it, samples every choice (:mod:`.outputs`) and hands the step's chunks to
+the sink in one call. ctypes releases the GIL inside llama.cpp, so the event loop
+keeps serving while a step runs. Between steps it runs a bounded batch of embedding
+inputs; when idle for ``WARM_AFTER_S`` after a chat's answer, that chat's next turn
+(:class:`~.slotcache.WarmUp`). Where each choice's KV cells go is :mod:`.kvslots`'s
+business.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import llama_cpp as ll
+
+from tokenmill.engines.base import Chunk, FinishReason
+from tokenmill.engines.llama_embed import Embedder
+from tokenmill.engines.llamacpp.batch import plan_batch
+from tokenmill.engines.llamacpp.choices import Choice, Group
+from tokenmill.engines.llamacpp.context import LlamaContext
+from tokenmill.engines.llamacpp.counters import Counters
+from tokenmill.engines.llamacpp.kvslots import KvSlots
+from tokenmill.engines.llamacpp.outputs import OutputRows
+from tokenmill.engines.logits import LogitRow
+from tokenmill.engines.sampling import build_sampler
+from tokenmill.engines.threads import ThreadTuner
+from tokenmill.errors import EngineError
+
+__all__ = ["PREFILL_CHUNK", "WARM_AFTER_S", "DecodeLoop"]
+
+log = logging.getLogger("tokenmill.engines.llamacpp")
+
+# Tokens of prompt prefilled per step across all sequences. Large enough that a
+# 2k-token prompt is in after 4 steps, small enough that a step with 16 decoding
+# streams stays a few tens of ms.
+PREFILL_CHUNK = 512
+# A chat's answer finished and nothing else to do for this long: the engine computes
+# what the template writes before the next user message (see ``KvSlots.warm``). A
+# person takes seconds to answer; a program that sends its next request at once
+# arrives well before this and is never kept waiting by it.
+WARM_AFTER_S = 0.2
+
+# One step's chunks (or errors), by the choice they belong to.
+Events = list[tuple[Choice, Chunk | BaseException]]
+# Where they go: (request id, chunk or error), one call per step.
+Post = Callable[[list[tuple[str, Chunk | BaseException]]], None]
+
+# The aborts of a step that has none (never added to: cancel() adds to loop._aborts).
+_NO_ABORTS: set[str] = set()
+
+
+class DecodeLoop:
+    """Runs requests on ``context`` until stopped; :meth:`run` is the thread's body.
+
+    ``cv`` guards the queue and the aborts (and the embedder's jobs): callers on other
+    threads use :meth:`enqueue` and :meth:`cancel`.
+    """
+
+    def __init__(
+        self,
+        context: LlamaContext,
+        kv: KvSlots,
+        *,
+        cv: threading.Condition,
+        post: Post,
+        counters: Counters,
+        first_marks: dict[str, tuple[float, ...]],
+        tuner: ThreadTuner | None,
+        embedder: Embedder | None,
+    ) -> None:
+        self.context = context
+        self.kv = kv
+        self.cache = kv.cache
+        self.rows = OutputRows(context)
+        self.cv = cv
+        self._post_events = post
+        self.counters = counters
+        # Request id -> the marks of its first token (queued, picked, decoded, sampled:
+        # tokenmill.stages), until the sink sends them with the token.
+        self.first_marks = first_marks
+        self._tuner = tuner
+        self._n_threads = context.threads
+        self._embedder = embedder
+        self._inbox: collections.deque[Group] = collections.deque()
+        self._aborts: set[str] = set()
+        self.running: dict[str, Choice] = {}  # by key, in arrival order
+        self._groups: dict[str, Group] = {}  # admitted requests, by request id
+        self._stop = False
+        self.failed: BaseException | None = None
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for slots."""
+        return len(self._inbox)
+
+    # -- other threads' side -----------------------------------------------------------
+
+    def enqueue(self, group: Group) -> None:
+        group.marks.append(time.monotonic())
+        with self.cv:
+            if self.failed is not None:
+                raise EngineError(f"the engine failed: {self.failed}")
+            self._inbox.append(group)
+            self.cv.notify()
+
+    def cancel(self, request_id: str) -> None:
+        with self.cv:
+            self._aborts.add(request_id)
+            self.cv.notify()
+
+    def stop(self) -> None:
+        with self.cv:
+            self._stop = True
+            self.cv.notify()
+
+    # -- the decode thread -------------------------------------------------------------
+
+    def run(self) -> None:
+        cv, embedder = self.cv, self._embedder
+        try:
+            while True:
+                warm = None
+                with cv:
+                    while (
+                        not self._stop
+                        and not self._inbox
+                        and not self.running
+                        and not (embedder and embedder.jobs)
+                    ):
+                        self._aborts.clear()
+                        if self.cache.warm_up is None:
+                            cv.wait()
+                        elif not cv.wait(WARM_AFTER_S):
+                            warm, self.cache.warm_up = self.cache.warm_up, None
+                            break
+                    if self._stop:
+                        break
+                if warm is not None:
+                    self.kv.warm(warm)
+                    continue
+                with cv:
+                    admitted = self._admit_locked()
+                    aborts: set[str] = _NO_ABORTS
+                    if self._aborts:
+                        aborts, self._aborts = self._aborts, set()
+                events: Events = []
+                # When this round takes every free slot, no step will see a gap. (Not
+                # counted on the steps that admit nothing: most of them.)
+                fills = bool(admitted) and len(admitted) == self.cache.free_slots()
+                for i, seq in enumerate(admitted):
+                    # Requests about to need a slot: this round's rest and the queue.
+                    waiting = len(admitted) - i - 1 + len(self._inbox)
+                    self.kv.assign(seq, pending=waiting, fills=fills)
+                    seq.sampler = build_sampler(seq.sampling, self.context.vocab.n_tokens)
+                    self.running[seq.key] = seq
+                for rid in aborts:
+                    group = self._groups.get(rid)
+                    if group is not None:
+                        for seq in group.members:
+                            self._finish(seq, "abort", events)
+                    else:
+                        self._drop_queued(rid, events)
+                if self.running:
+                    self._step(events)
+                if embedder and embedder.jobs:
+                    embedder.step()  # one bounded batch of embedding inputs
+                if events:
+                    self._post(events)
+        except BaseException as e:  # a native failure: fail every request, loudly
+            log.exception("decode loop failed")
+            with cv:
+                self.failed = e
+                pending = self._pending_requests()
+                self._inbox.clear()
+            self._post([(s, EngineError(f"the engine failed: {e}")) for s in pending])
+        finally:
+            failed: Events = [
+                (seq, EngineError("the engine is shutting down"))
+                for seq in self._pending_requests()
+            ]
+            self.running.clear()
+            self._groups.clear()
+            self._inbox.clear()
+            if failed:
+                self._post(failed)
+            if embedder is not None:
+                embedder.fail_all(EngineError("the engine is shutting down"))
+
+    def _pending_requests(self) -> list[Choice]:
+        """A choice of every request running or queued (one each: an error ends all
+        of a request's choices)."""
+        groups = list(self._groups.values()) + list(self._inbox)
+        return [g.members[0] for g in groups if g.open > 0]
+
+    def _drop_queued(self, request_id: str, events: Events) -> None:
+        with self.cv:
+            for group in self._inbox:
+                if group.request_id == request_id:
+                    self._inbox.remove(group)
+                    for seq in group.members:
+                        seq.done = True
+                    group.open = 0
+                    last = group.members[-1]
+                    events.append((last, Chunk("", "abort", group.usage(), index=last.index)))
+                    return
+
+    def _admit_locked(self) -> list[Choice]:
+        """Requests, first come first served, while all of a request's choices fit."""
+        admitted: list[Choice] = []
+        if not self._inbox:
+            return admitted
+        self.cache.warm_up = None  # not idle: whatever comes next is not worth waiting for
+        free = self.cache.free_slots()
+        while self._inbox and free >= len(self._inbox[0].members):
+            group = self._inbox.popleft()
+            group.marks.append(time.monotonic())
+            self._groups[group.request_id] = group
+            admitted.extend(group.members)
+            free -= len(group.members)
+        return admitted
+
+    def _step(self, events: Events) -> None:
+        context = self.context
+        plan = plan_batch(
+            self.running.values(), prefill_chunk=PREFILL_CHUNK, capacity=context.batch_cap
+        )
+        if not plan.rows:
+            return
+        for i, (token, pos, slot, logits) in enumerate(plan.rows):
+            context.add(i, token, pos, slot, logits)
+        for seq, end in plan.prefills:
+            self.cache.extend(seq.slot, seq.prompt[seq.n_past : end])
+            seq.n_past = end
+        n = len(plan.rows)
+        tuner = self._tuner
+        threads = self._n_threads if tuner is None else tuner.threads_for(n)
+        context.set_threads(threads)
+        started = time.monotonic()
+        rc = context.decode(n)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        if tuner is not None:
+            tuner.observe(threads, n, context.decoded_at - started)
+        self.counters.steps += 1
+        for seq, idx in plan.prompt_rows:
+            self.rows.record_prompt_row(seq, idx)
+        for seq, idx in plan.outputs:
+            # Read before sampling: the model's own distribution, untouched by it.
+            logprobs = None if seq.aligner is None else self.rows.row(idx)
+            if seq.followers:  # the prompt is in: the other choices start from here
+                for follower in seq.followers:
+                    if not follower.done:
+                        self._start_follower(follower, seq)
+                        self._advance(follower, idx, logprobs, events)
+                seq.followers = []
+            self._advance(seq, idx, logprobs, events)
+
+    def _start_follower(self, seq: Choice, leader: Choice) -> None:
+        """``leader`` has decoded the prompt: ``seq`` takes a copy of its KV cells.
+
+        The leader's first token is sampled but not decoded yet, so the copy is the
+        prompt.
+        """
+        self.kv.share(leader.slot, seq.slot)
+        seq.n_past = len(seq.prompt)
+        seq.leader = None
+        seq.prompt_logprobs = leader.prompt_logprobs
+
+    def _advance(self, seq: Choice, idx: int, logprobs: LogitRow | None, events: Events) -> None:
+        """Sample ``seq``'s next token from output ``idx`` and pass its text on."""
+        group = seq.group
+        assert group is not None
+        if seq.echo_pending:
+            seq.echo_pending = False
+            events.append((seq, self.rows.echo(seq)))
+        token = self.rows.sample(seq, idx)
+        if token is None:
+            self._finish(seq, "stop", events)
+            return
+        if seq.n_past > len(seq.prompt) or seq.generated > 0:
+            # the previous sampled token is now in the KV cache
+            self.cache.append(seq.slot, seq.last_token)
+        vocab, grammar = self.context.vocab, seq.grammar
+        if not seq.sampling.ignore_eos and vocab.is_eog(token):
+            self._finish(seq, "stop", events)
+            self._plan_warm(seq, ())
+            return
+        if grammar is not None and not grammar.consume(token):
+            log.warning("request %s: grammar refused a token: %s", seq.request_id, grammar.error)
+            self._finish(seq, "stop", events)
+            return
+        seq.generated += 1
+        group.generated += 1
+        self.counters.tokens_generated += 1
+        seq.last_token = token
+        seq.n_past = len(seq.prompt) + seq.generated - 1
+        piece = vocab.piece(token)
+        text = seq.stream.feed(piece)
+        if group.generated == 1:  # the request's first token
+            marks = (*group.marks, self.context.decoded_at, time.monotonic())
+            self.first_marks[group.request_id] = marks
+        if seq.aligner is not None and logprobs is not None:
+            top = self.rows.top(logprobs, seq.sampling.logprobs or 0)
+            stream = seq.stream
+            seq.aligner.add(piece, logprobs.logprob(token), top, stream.decoded, stream.partial)
+        if seq.stream.stopped or (grammar is not None and grammar.done):
+            # (A complete grammar that allows nothing more is the end of the answer,
+            # even at max_tokens: the output is whole.)
+            self._finish(seq, "stop", events, text)
+        elif seq.generated >= seq.sampling.max_tokens or (
+            len(seq.prompt) + seq.generated >= self.context.n_ctx_seq
+        ):
+            self._finish(seq, "length", events, text + seq.stream.finish())
+            self._plan_warm(seq, (token,))  # the last token, sampled, never decoded
+        else:
+            released = () if seq.aligner is None else seq.aligner.release(len(text))
+            if text or released:
+                chunk = Chunk(text, tokens=group.generated, logprobs=released, index=seq.index)
+                events.append((seq, chunk))
+
+    def _plan_warm(self, seq: Choice, head: tuple[int, ...]) -> None:
+        """``seq``, a chat's answer, ended whole (EOS or max_tokens): its slot may
+        compute ``head`` and what the template writes before the next user message,
+        once the engine has nothing else to do (see ``KvSlots.warm``)."""
+        if seq.next_turn:
+            self.cache.plan_warm_up(seq.slot, (*head, *seq.next_turn))
+
+    def _finish(self, seq: Choice, reason: FinishReason, events: Events, text: str = "") -> None:
+        if seq.done:
+            return
+        seq.done = True
+        if reason == "stop" and not seq.stream.stopped:
+            text += seq.stream.finish()
+        self.running.pop(seq.key, None)
+        self.kv.release(seq.slot)
+        if seq.sampler is not None:
+            ll.llama_sampler_free(seq.sampler)
+            seq.sampler = None
+        # Tokens still waiting now are those a stop string swallowed (or an abort cut).
+        released = () if seq.aligner is None else seq.aligner.release(len(text))
+        group = seq.group
+        assert group is not None
+        group.open -= 1
+        if group.open > 0:  # other choices go on: this one's end is not the request's
+            chunk = Chunk(
+                text,
+                tokens=group.generated,
+                logprobs=released,
+                index=seq.index,
+                choice_finish=reason,
+            )
+        else:
+            self._groups.pop(group.request_id, None)
+            chunk = Chunk(text, reason, group.usage(), group.generated, released, seq.index)
+        events.append((seq, chunk))
+
+    def _post(self, events: list[tuple[Choice, Any]]) -> None:
+        self._post_events([(seq.request_id, item) for seq, item in events])

@@ -1,0 +1,78 @@
+"""Which tokens a decode step computes (engines/llamacpp/batch.py): no model."""
+
+from __future__ import annotations
+
+from tokenmill.engines.base import GenerationRequest, SamplingParams
+from tokenmill.engines.llamacpp.batch import plan_batch
+from tokenmill.engines.llamacpp.choices import Choice, build_group
+
+
+def choice(key: str, slot: int, prompt: int, n_past: int = 0, last: int = -1) -> Choice:
+    """A choice in ``slot`` with a ``prompt``-token prompt, ``n_past`` of it decoded."""
+    seq = build_group(
+        GenerationRequest(key, SamplingParams(max_tokens=8), prompt_tokens=(1,)),
+        [list(range(1000, 1000 + prompt))],
+    ).members[0]
+    seq.slot, seq.n_past, seq.last_token = slot, n_past, last
+    return seq
+
+
+def test_decoding_choices_get_a_row_each_in_slot_order() -> None:
+    late = choice("late", slot=0, prompt=3, n_past=5, last=42)
+    early = choice("early", slot=2, prompt=3, n_past=3, last=41)
+    plan = plan_batch([early, late], prefill_chunk=512, capacity=600)
+    assert plan.rows == [(42, 5, 0, True), (41, 3, 2, True)]
+    assert plan.outputs == [(late, 0), (early, 1)]
+    assert plan.prompt_rows == [] and plan.prefills == []
+
+
+def test_the_prompt_budget_goes_first_come_first_served() -> None:
+    decoding = choice("d", slot=1, prompt=2, n_past=4, last=7)
+    first = choice("first", slot=3, prompt=200)
+    second = choice("second", slot=0, prompt=300, n_past=100)
+    third = choice("third", slot=2, prompt=50)
+    # capacity 251: 1 row for the decoding choice, 250 prompt tokens, in arrival order:
+    # all of first's prompt, 50 tokens of second's, none of third's.
+    plan = plan_batch([decoding, first, second, third], prefill_chunk=512, capacity=251)
+    assert [(seq.key, end) for seq, end in plan.prefills] == [("second", 150), ("first", 200)]
+    # The rows in slot order: second (slot 0), decoding (1), first (3).
+    assert [row[2] for row in plan.rows] == [0] * 50 + [1] + [3] * 200
+    assert plan.rows[0] == (1100, 100, 0, False) and plan.rows[50] == (7, 4, 1, True)
+    # first's prompt is in: its last row gives its first token.
+    assert plan.outputs == [(decoding, 50), (first, 250)]
+    # A smaller chunk bounds the prompt tokens whatever the capacity.
+    plan = plan_batch([decoding, first, second, third], prefill_chunk=120, capacity=600)
+    assert [(seq.key, end) for seq, end in plan.prefills] == [("first", 120)]
+
+
+def test_a_prompts_last_token_is_an_output_and_the_chunk_bounds_the_prefill() -> None:
+    seq = choice("p", slot=0, prompt=5, n_past=2)
+    plan = plan_batch([seq], prefill_chunk=512, capacity=600)
+    assert plan.rows == [(1002, 2, 0, False), (1003, 3, 0, False), (1004, 4, 0, True)]
+    assert plan.outputs == [(seq, 2)] and plan.prefills == [(seq, 5)]
+    long = choice("long", slot=1, prompt=2000)
+    plan = plan_batch([long], prefill_chunk=512, capacity=600)
+    assert len(plan.rows) == 512 and plan.prefills == [(long, 512)] and plan.outputs == []
+
+
+def test_followers_neither_decode_nor_prefill() -> None:
+    request = GenerationRequest("r", SamplingParams(max_tokens=8), prompt_tokens=(1,), n=3)
+    leader, *followers = build_group(request, [[5, 6, 7]]).members
+    for slot, seq in enumerate((leader, *followers)):
+        seq.slot = slot
+    plan = plan_batch([leader, *followers], prefill_chunk=512, capacity=600)
+    assert plan.rows == [(5, 0, 0, False), (6, 1, 0, False), (7, 2, 0, True)]
+    assert plan.outputs == [(leader, 2)]
+
+
+def test_echoed_logprobs_want_every_prompt_row() -> None:
+    sampling = SamplingParams(max_tokens=8, echo=True, logprobs=2)
+    request = GenerationRequest("e", sampling, prompt_tokens=(1,))
+    seq = build_group(request, [[5, 6, 7, 8]]).members[0]
+    seq.slot = 0
+    plan = plan_batch([seq], prefill_chunk=2, capacity=600)
+    assert plan.rows == [(5, 0, 0, True), (6, 1, 0, True)]
+    assert plan.prompt_rows == [(seq, 0), (seq, 1)] and plan.outputs == []
+    seq.n_past = 2
+    plan = plan_batch([seq], prefill_chunk=2, capacity=600)
+    assert plan.prompt_rows == [(seq, 0)] and plan.outputs == [(seq, 1)]
