@@ -36,7 +36,8 @@ def test_importing_the_pure_parts_loads_no_llama_cpp() -> None:
 
     probe = (
         "import sys, tokenmill.engines.llamacpp.slotcache, tokenmill.engines.llamacpp.batch,"
-        " tokenmill.engines.llamacpp.choices; print('llama_cpp' in sys.modules)"
+        " tokenmill.engines.llamacpp.choices, tokenmill.engines.llamacpp.admission;"
+        " print('llama_cpp' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

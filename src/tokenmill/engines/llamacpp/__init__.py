@@ -19,8 +19,9 @@ The parts, one job each:
 * ``intake``: a request's prompts as checked tokens; a template's next-turn tokens.
 * ``choices``: a request as a group of choices (``n`` per prompt), leaders and
   followers (pure).
-* ``loop``: the decode thread: admission, aborts, one step after another, sampling's
-  outcome, finishing.
+* ``loop``: the decode thread: admission, aborts, one step after another, what a
+  sampled token does (text, stop, length), finishing.
+* ``admission``: requests queued and running; a request is admitted whole (pure).
 * ``batch``: which tokens a step decodes, in slot order (pure).
 * ``outputs``: a step's output rows: constraints, sampling, log probabilities, echo.
 * ``slotcache``: what every KV slot holds, its read API and change listeners, the
@@ -29,10 +30,10 @@ The parts, one job each:
 * ``context``: the loaded model and context: every llama.cpp call of the decode side.
 * ``counters``: what the engine has done, for health and tests.
 
-The pure parts (``choices``, ``batch``, ``slotcache``) import no llama.cpp and are
-unit-tested without it: this package's ``__init__`` loads ``engine`` (and so
-``llama_cpp``) only when :class:`LlamaCppEngine` is asked for. The engine is loaded
-lazily by name, never by ``import tokenmill``.
+The pure parts (``choices``, ``admission``, ``batch``, ``slotcache``) import no
+llama.cpp and are unit-tested without it: this package's ``__init__`` loads
+``engine`` (and so ``llama_cpp``) only when :class:`LlamaCppEngine` is asked for.
+The engine is loaded lazily by name, never by ``import tokenmill``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ business.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -24,6 +23,7 @@ import llama_cpp as ll
 
 from tokenmill.engines.base import Chunk, FinishReason
 from tokenmill.engines.llama_embed import Embedder
+from tokenmill.engines.llamacpp.admission import RequestQueue
 from tokenmill.engines.llamacpp.batch import plan_batch
 from tokenmill.engines.llamacpp.choices import Choice, Group
 from tokenmill.engines.llamacpp.context import LlamaContext
@@ -90,17 +90,16 @@ class DecodeLoop:
         self._tuner = tuner
         self._n_threads = context.threads
         self._embedder = embedder
-        self._inbox: collections.deque[Group] = collections.deque()
+        self._requests = RequestQueue()  # guarded by cv
         self._aborts: set[str] = set()
         self.running: dict[str, Choice] = {}  # by key, in arrival order
-        self._groups: dict[str, Group] = {}  # admitted requests, by request id
         self._stop = False
         self.failed: BaseException | None = None
 
     @property
     def waiting(self) -> int:
         """Requests queued for slots."""
-        return len(self._inbox)
+        return self._requests.waiting
 
     # -- other threads' side -----------------------------------------------------------
 
@@ -109,7 +108,7 @@ class DecodeLoop:
         with self.cv:
             if self.failed is not None:
                 raise EngineError(f"the engine failed: {self.failed}")
-            self._inbox.append(group)
+            self._requests.push(group)
             self.cv.notify()
 
     def cancel(self, request_id: str) -> None:
@@ -125,14 +124,14 @@ class DecodeLoop:
     # -- the decode thread -------------------------------------------------------------
 
     def run(self) -> None:
-        cv, embedder = self.cv, self._embedder
+        cv, embedder, requests = self.cv, self._embedder, self._requests
         try:
             while True:
                 warm = None
                 with cv:
                     while (
                         not self._stop
-                        and not self._inbox
+                        and not requests.waiting
                         and not self.running
                         and not (embedder and embedder.jobs)
                     ):
@@ -158,17 +157,12 @@ class DecodeLoop:
                 fills = bool(admitted) and len(admitted) == self.cache.free_slots()
                 for i, seq in enumerate(admitted):
                     # Requests about to need a slot: this round's rest and the queue.
-                    waiting = len(admitted) - i - 1 + len(self._inbox)
+                    waiting = len(admitted) - i - 1 + requests.waiting
                     self.kv.assign(seq, pending=waiting, fills=fills)
                     seq.sampler = build_sampler(seq.sampling, self.context.vocab.n_tokens)
                     self.running[seq.key] = seq
                 for rid in aborts:
-                    group = self._groups.get(rid)
-                    if group is not None:
-                        for seq in group.members:
-                            self._finish(seq, "abort", events)
-                    else:
-                        self._drop_queued(rid, events)
+                    self._abort(rid, events)
                 if self.running:
                     self._step(events)
                 if embedder and embedder.jobs:
@@ -179,54 +173,39 @@ class DecodeLoop:
             log.exception("decode loop failed")
             with cv:
                 self.failed = e
-                pending = self._pending_requests()
-                self._inbox.clear()
+                pending = requests.pending()
+                requests.clear_queued()
             self._post([(s, EngineError(f"the engine failed: {e}")) for s in pending])
         finally:
             failed: Events = [
-                (seq, EngineError("the engine is shutting down"))
-                for seq in self._pending_requests()
+                (seq, EngineError("the engine is shutting down")) for seq in requests.pending()
             ]
             self.running.clear()
-            self._groups.clear()
-            self._inbox.clear()
+            requests.clear()
             if failed:
                 self._post(failed)
             if embedder is not None:
                 embedder.fail_all(EngineError("the engine is shutting down"))
 
-    def _pending_requests(self) -> list[Choice]:
-        """A choice of every request running or queued (one each: an error ends all
-        of a request's choices)."""
-        groups = list(self._groups.values()) + list(self._inbox)
-        return [g.members[0] for g in groups if g.open > 0]
-
-    def _drop_queued(self, request_id: str, events: Events) -> None:
-        with self.cv:
-            for group in self._inbox:
-                if group.request_id == request_id:
-                    self._inbox.remove(group)
-                    for seq in group.members:
-                        seq.done = True
-                    group.open = 0
-                    last = group.members[-1]
-                    events.append((last, Chunk("", "abort", group.usage(), index=last.index)))
-                    return
-
     def _admit_locked(self) -> list[Choice]:
         """Requests, first come first served, while all of a request's choices fit."""
-        admitted: list[Choice] = []
-        if not self._inbox:
-            return admitted
+        if not self._requests.waiting:
+            return []
         self.cache.warm_up = None  # not idle: whatever comes next is not worth waiting for
-        free = self.cache.free_slots()
-        while self._inbox and free >= len(self._inbox[0].members):
-            group = self._inbox.popleft()
-            group.marks.append(time.monotonic())
-            self._groups[group.request_id] = group
-            admitted.extend(group.members)
-            free -= len(group.members)
-        return admitted
+        return self._requests.admit(self.cache.free_slots(), now=time.monotonic())
+
+    def _abort(self, request_id: str, events: Events) -> None:
+        """End a cancelled request: every choice if it runs, or its place in the queue."""
+        group = self._requests.running(request_id)
+        if group is not None:
+            for seq in group.members:
+                self._finish(seq, "abort", events)
+            return
+        with self.cv:
+            group = self._requests.withdraw(request_id)
+        if group is not None:
+            last = group.members[-1]
+            events.append((last, Chunk("", "abort", group.usage(), index=last.index)))
 
     def _step(self, events: Events) -> None:
         context = self.context
@@ -359,7 +338,7 @@ class DecodeLoop:
                 choice_finish=reason,
             )
         else:
-            self._groups.pop(group.request_id, None)
+            self._requests.finished(group.request_id)
             chunk = Chunk(text, reason, group.usage(), group.generated, released, seq.index)
         events.append((seq, chunk))
 
