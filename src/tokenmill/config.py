@@ -44,6 +44,10 @@ DEFAULT_DRAIN_S = 10.0
 # this long to take a stalled write, before its connection is closed: far beyond any
 # honest client, short enough that held connections cost little.
 DEFAULT_CLIENT_TIMEOUT_S = 30.0
+# A request waiting in admission moves up one priority class after this long (and
+# one more after each further period): long enough that interactive traffic keeps
+# its edge under a burst, short enough that batch work still moves when overloaded.
+DEFAULT_PROMOTE_AFTER_S = 10.0
 
 
 class ConfigError(Exception):
@@ -73,6 +77,10 @@ class DeploymentCommon(BaseModel):
     endpoint_type: Literal["chat", "completion"] = "chat"
     max_queue: int = Field(default=64, ge=0)
     queue_timeout_s: float = Field(default=30.0, gt=0)
+    # "fair": priority classes, then fair share between accounts (docs/fairness.md);
+    # "fifo": one queue in arrival order, as before fair queuing.
+    admission: Literal["fair", "fifo"] = "fair"
+    promote_after_s: float = Field(default=DEFAULT_PROMOTE_AFTER_S, gt=0)
     idle_unload_s: float | None = Field(default=None, gt=0)
     price: Price | None = None
     # Slots per replica (upstream: requests sent at once) and the context of each

@@ -10,6 +10,7 @@ replica with the fewest outstanding requests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -114,6 +115,8 @@ class Deployment:
             capacity=sum(r.slots for r in self.replicas),
             max_queue=config.max_queue,
             queue_timeout_s=config.queue_timeout_s,
+            fair=config.admission == "fair",
+            promote_after_s=config.promote_after_s,
         )
         for replica in self.replicas:
             replica.host.on_change(self.refresh_capacity)
@@ -202,4 +205,7 @@ class Deployment:
             "in_flight": sum(r.in_flight for r in self.replicas),
             "queued": self.admission.waiting,
             "replicas": [r.describe() for r in self.replicas],
+            "admission": self.config.admission,
+            # Who waits and runs here, and the share each is owed (docs/fairness.md).
+            "accounts": [dataclasses.asdict(v) for v in self.admission.accounts()],
         }
