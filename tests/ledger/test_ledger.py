@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sqlite3
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from tokenmill.errors import (
     AuthenticationError,
     InsufficientCreditError,
     InvalidRequestError,
+    NotFoundError,
     OverloadedError,
 )
 from tokenmill.ledger import ledger_from_url
@@ -240,5 +242,54 @@ async def test_sqlite_opens_while_another_connection_holds_the_file(
 async def test_migrations_are_applied_once(make_ledger: Callable[..., SqlLedger]) -> None:
     first, second = make_ledger(), make_ledger()
     await asyncio.gather(first.open(), second.open())
-    rows = await first._run(lambda tx: tx.all("SELECT version FROM schema_migrations"))
-    assert rows == [(1,)]
+    rows = await first._run(
+        lambda tx: tx.all("SELECT version FROM schema_migrations ORDER BY version")
+    )
+    folder = resources.files("tokenmill.ledger") / "migrations" / first.dialect
+    files = sorted(
+        int(f.name.split("_", 1)[0]) for f in folder.iterdir() if f.name.endswith(".sql")
+    )
+    assert [int(r[0]) for r in rows] == files and files[:2] == [1, 2]
+
+
+async def test_fair_share_settings_are_stored_changed_and_read_with_the_key(
+    ledger: SqlLedger,
+) -> None:
+    acc = await ledger.create_account("tenant", 10, weight=2.5, max_concurrent=3)
+    assert (acc.weight, acc.max_concurrent) == (2.5, 3)
+    plain = await ledger.create_account("plain")
+    assert (plain.weight, plain.max_concurrent) == (1.0, None)
+    info, key = await ledger.create_key(acc.id, priority="interactive")
+    assert info.priority == "interactive"
+    resolved = await ledger.resolve_key(key)
+    assert resolved is not None
+    assert (resolved.priority, resolved.weight, resolved.max_concurrent) == ("interactive", 2.5, 3)
+
+    changed = await ledger.update_account(acc.id, max_concurrent=None)
+    assert (changed.weight, changed.max_concurrent) == (2.5, None)  # weight kept
+    changed = await ledger.update_account(acc.id, weight=4)
+    assert (changed.weight, changed.max_concurrent) == (4.0, None)
+    lowered = await ledger.set_key_priority(info.id, "batch")
+    assert lowered is not None and lowered.priority == "batch"
+    resolved = await ledger.resolve_key(key)
+    assert resolved is not None and (resolved.priority, resolved.weight) == ("batch", 4.0)
+    assert await ledger.set_key_priority("key_missing", "batch") is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "param"),
+    [
+        ({"weight": 0.0}, "weight"),
+        ({"weight": 5000.0}, "weight"),
+        ({"max_concurrent": 0}, "max_concurrent"),
+    ],
+)
+async def test_bad_fair_share_settings_are_refused_naming_the_field(
+    ledger: SqlLedger, changes: dict[str, float], param: str
+) -> None:
+    acc = await ledger.create_account("tenant")
+    with pytest.raises(InvalidRequestError) as caught:
+        await ledger.update_account(acc.id, **changes)  # type: ignore[arg-type]
+    assert caught.value.param == param
+    with pytest.raises(NotFoundError):
+        await ledger.update_account("acct_missing", weight=2.0)

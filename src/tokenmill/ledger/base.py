@@ -7,13 +7,29 @@ so the plain text exists once, in the response that creates the key.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import secrets
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 ANONYMOUS_ACCOUNT = "anonymous"
+# A key's priority class (tokenmill.gateway.fairqueue.Priority; the ledger stands
+# below the gateway and names them itself).
+KeyPriority = Literal["batch", "default", "interactive"]
+# The largest weight an account may have: a thousand times another's share is already
+# all of it in practice, and a bound keeps the counters' arithmetic tame.
+MAX_WEIGHT = 1000.0
+
+
+class Keep(enum.Enum):
+    """An update's "leave this as it is" (where None is a value: no cap)."""
+
+    KEEP = "keep"
+
+
+KEEP = Keep.KEEP
 KEY_PREFIX = "tm-"
 
 
@@ -37,6 +53,10 @@ class Account:
     held: int
     unlimited: bool
     created: float
+    # Its share of a busy deployment against other accounts (docs/fairness.md).
+    weight: float = 1.0
+    # Streams it may run at once on one deployment; None: no cap.
+    max_concurrent: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,6 +70,11 @@ class KeyInfo:
     tpm: int | None
     created: float
     revoked: float | None
+    # The class of the key's requests and the highest they may ask for.
+    priority: KeyPriority = "default"
+    # Its account's scheduling, read with the key (one query on the hot path).
+    weight: float = 1.0
+    max_concurrent: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,16 +120,35 @@ class Ledger(Protocol):
     async def close(self) -> None: ...
 
     async def create_account(
-        self, name: str, balance: int = 0, *, account_id: str | None = None
+        self,
+        name: str,
+        balance: int = 0,
+        *,
+        account_id: str | None = None,
+        weight: float = 1.0,
+        max_concurrent: int | None = None,
     ) -> Account: ...
     async def get_account(self, account_id: str) -> Account | None: ...
     async def add_credits(self, account_id: str, amount: int) -> Account: ...
+    async def update_account(
+        self,
+        account_id: str,
+        *,
+        weight: float | Keep = KEEP,
+        max_concurrent: int | Keep | None = KEEP,
+    ) -> Account: ...
 
     async def create_key(
-        self, account_id: str, *, rpm: int | None = None, tpm: int | None = None
+        self,
+        account_id: str,
+        *,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        priority: KeyPriority = "default",
     ) -> tuple[KeyInfo, str]: ...
     async def resolve_key(self, plaintext: str) -> KeyInfo | None: ...
     async def revoke_key(self, key_id: str) -> KeyInfo | None: ...
+    async def set_key_priority(self, key_id: str, priority: KeyPriority) -> KeyInfo | None: ...
 
     async def hold(self, spec: HoldSpec) -> None: ...
     async def settle(

@@ -11,7 +11,11 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, get_args
+
+from tokenmill.ledger.base import KeyPriority
+
+PRIORITIES = get_args(KeyPriority)
 
 
 def _client_args() -> argparse.ArgumentParser:
@@ -53,7 +57,27 @@ def _call(args: argparse.Namespace, method: str, path: str, body: Any = None) ->
 
 
 def _accounts_create(args: argparse.Namespace) -> int:
-    return _call(args, "POST", "/admin/accounts", {"name": args.name, "balance": args.balance})
+    body: dict[str, Any] = {"name": args.name, "balance": args.balance}
+    if args.weight is not None:
+        body["weight"] = args.weight
+    if args.max_concurrent is not None:
+        body["max_concurrent"] = args.max_concurrent
+    return _call(args, "POST", "/admin/accounts", body)
+
+
+def _accounts_set(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {}
+    if args.weight is not None:
+        body["weight"] = args.weight
+    if args.no_max_concurrent:
+        body["max_concurrent"] = None
+    elif args.max_concurrent is not None:
+        body["max_concurrent"] = args.max_concurrent
+    if not body:
+        print("tokenmill accounts set: give --weight, --max-concurrent or --no-max-concurrent",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    return _call(args, "PATCH", f"/admin/accounts/{args.account}", body)
 
 
 def _accounts_show(args: argparse.Namespace) -> int:
@@ -65,8 +89,12 @@ def _credits_add(args: argparse.Namespace) -> int:
 
 
 def _keys_create(args: argparse.Namespace) -> int:
-    body = {"account": args.account, "rpm": args.rpm, "tpm": args.tpm}
+    body = {"account": args.account, "rpm": args.rpm, "tpm": args.tpm, "priority": args.priority}
     return _call(args, "POST", "/admin/keys", body)
+
+
+def _keys_set(args: argparse.Namespace) -> int:
+    return _call(args, "PATCH", f"/admin/keys/{args.key_id}", {"priority": args.priority})
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:
@@ -82,6 +110,15 @@ def _usage(args: argparse.Namespace) -> int:
     return _call(args, "GET", f"/admin/accounts/{args.account}/usage?limit={args.limit}")
 
 
+def _scheduling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weight", type=float, help="share of a busy deployment against other accounts (1)"
+    )
+    parser.add_argument(
+        "--max-concurrent", type=int, help="streams it may run at once on one deployment"
+    )
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     common = _client_args()
 
@@ -90,7 +127,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     create = acc_sub.add_parser("create", parents=[common], help="create an account")
     create.add_argument("name")
     create.add_argument("--balance", type=int, default=0, help="initial credit, micro-units")
+    _scheduling_args(create)
     create.set_defaults(func=_accounts_create)
+    change = acc_sub.add_parser("set", parents=[common], help="change weight or concurrency cap")
+    change.add_argument("account")
+    _scheduling_args(change)
+    change.add_argument(
+        "--no-max-concurrent", action="store_true", help="remove the concurrency cap"
+    )
+    change.set_defaults(func=_accounts_set)
     show = acc_sub.add_parser("show", parents=[common], help="balance and open holds")
     show.add_argument("account")
     show.set_defaults(func=_accounts_show)
@@ -108,7 +153,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     kc.add_argument("account")
     kc.add_argument("--rpm", type=int, help="requests per minute")
     kc.add_argument("--tpm", type=int, help="tokens per minute (prompt + max_tokens in flight)")
+    kc.add_argument(
+        "--priority",
+        choices=PRIORITIES,
+        default="default",
+        help="the class of its requests and the highest they may ask for",
+    )
     kc.set_defaults(func=_keys_create)
+    ks = key_sub.add_parser("set", parents=[common], help="change a key's priority class")
+    ks.add_argument("key_id")
+    ks.add_argument("--priority", choices=PRIORITIES, required=True)
+    ks.set_defaults(func=_keys_set)
     kr = key_sub.add_parser("revoke", parents=[common], help="revoke a key by its id")
     kr.add_argument("key_id")
     kr.set_defaults(func=_keys_revoke)

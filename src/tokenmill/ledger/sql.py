@@ -33,9 +33,13 @@ from tokenmill.errors import (
 )
 from tokenmill.ledger.base import (
     ANONYMOUS_ACCOUNT,
+    KEEP,
+    MAX_WEIGHT,
     Account,
     HoldSpec,
+    Keep,
     KeyInfo,
+    KeyPriority,
     Receipt,
     hash_key,
     new_id,
@@ -50,8 +54,12 @@ Clock = Callable[[], float]
 RATE_WINDOW_S = 60
 _RETRIES = 5
 
-_ACCOUNT_COLS = "id, name, balance, held, unlimited, created"
-_KEY_COLS = "id, account_id, rpm, tpm, created, revoked"
+_ACCOUNT_COLS = "id, name, balance, held, unlimited, created, weight, max_concurrent"
+# A key with its account's scheduling: FROM _KEY_JOIN.
+_KEY_COLS = (
+    "k.id, k.account_id, k.rpm, k.tpm, k.created, k.revoked, k.priority, a.weight, a.max_concurrent"
+)
+_KEY_JOIN = "api_keys k JOIN accounts a ON a.id = k.account_id"
 _RECEIPT_COLS = (
     "request_id, account_id, key_id, deployment, prompt_tokens, completion_tokens, "
     "held, charged, finish_reason, created, settled"
@@ -59,11 +67,29 @@ _RECEIPT_COLS = (
 
 
 def _account(row: Sequence[Any]) -> Account:
-    return Account(row[0], row[1], int(row[2]), int(row[3]), bool(row[4]), float(row[5]))
+    return Account(
+        row[0], row[1], int(row[2]), int(row[3]), bool(row[4]), float(row[5]),
+        float(row[6]), None if row[7] is None else int(row[7]),
+    )  # fmt: skip
 
 
 def _key(row: Sequence[Any]) -> KeyInfo:
-    return KeyInfo(row[0], row[1], row[2], row[3], float(row[4]), row[5])
+    return KeyInfo(
+        row[0], row[1], row[2], row[3], float(row[4]), row[5], row[6],
+        float(row[7]), None if row[8] is None else int(row[8]),
+    )  # fmt: skip
+
+
+def _check_scheduling(weight: float | Keep, max_concurrent: int | Keep | None) -> None:
+    """An account's fair-share settings, checked here as well as by the admin API."""
+    if not isinstance(weight, Keep) and not 0 < weight <= MAX_WEIGHT:
+        raise InvalidRequestError(
+            f"'weight' must be above 0 and at most {MAX_WEIGHT:g}, not {weight}", param="weight"
+        )
+    if isinstance(max_concurrent, int) and max_concurrent < 1:
+        raise InvalidRequestError(
+            "'max_concurrent' must be at least 1 (or null: no cap)", param="max_concurrent"
+        )
 
 
 def _receipt(row: Sequence[Any]) -> Receipt:
@@ -209,19 +235,30 @@ class SqlLedger:
 
     # -- accounts -----------------------------------------------------------------
     async def create_account(
-        self, name: str, balance: int = 0, *, account_id: str | None = None
+        self,
+        name: str,
+        balance: int = 0,
+        *,
+        account_id: str | None = None,
+        weight: float = 1.0,
+        max_concurrent: int | None = None,
     ) -> Account:
         if balance < 0:
             raise InvalidRequestError("'balance' cannot be negative", param="balance")
-        acc = Account(account_id or new_id("acct"), name, balance, 0, False, self.clock())
+        _check_scheduling(weight, max_concurrent)
+        acc = Account(
+            account_id or new_id("acct"), name, balance, 0, False, self.clock(),
+            weight, max_concurrent,
+        )  # fmt: skip
 
         def tx_fn(tx: Tx) -> Account:
             if tx.one("SELECT 1 FROM accounts WHERE id = ?", (acc.id,)) is not None:
                 raise InvalidRequestError(f"account {acc.id!r} already exists", param="id")
             tx.run(
-                "INSERT INTO accounts (id, name, balance, held, unlimited, created) "
-                "VALUES (?, ?, ?, 0, 0, ?)",
-                (acc.id, name, balance, acc.created),
+                "INSERT INTO accounts "
+                "(id, name, balance, held, unlimited, created, weight, max_concurrent) "
+                "VALUES (?, ?, ?, 0, 0, ?, ?, ?)",
+                (acc.id, name, balance, acc.created, weight, max_concurrent),
             )
             if balance:
                 tx.run(
@@ -262,31 +299,75 @@ class SqlLedger:
 
         return await self._run(tx_fn)
 
+    async def update_account(
+        self,
+        account_id: str,
+        *,
+        weight: float | Keep = KEEP,
+        max_concurrent: int | Keep | None = KEEP,
+    ) -> Account:
+        """Change an account's fair-share settings (what is given; KEEP the rest)."""
+        _check_scheduling(weight, max_concurrent)
+        changes: dict[str, Any] = {}
+        if not isinstance(weight, Keep):
+            changes["weight"] = weight
+        if not isinstance(max_concurrent, Keep):
+            changes["max_concurrent"] = max_concurrent
+
+        def tx_fn(tx: Tx) -> Account:
+            if tx.one("SELECT 1 FROM accounts WHERE id = ?", (account_id,)) is None:
+                raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
+            if changes:
+                columns = ", ".join(f"{name} = ?" for name in changes)
+                tx.run(
+                    f"UPDATE accounts SET {columns} WHERE id = ?", (*changes.values(), account_id)
+                )
+            return _account(
+                tx.one(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
+            )
+
+        return await self._run(tx_fn)
+
     # -- keys ---------------------------------------------------------------------
     async def create_key(
-        self, account_id: str, *, rpm: int | None = None, tpm: int | None = None
+        self,
+        account_id: str,
+        *,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        priority: KeyPriority = "default",
     ) -> tuple[KeyInfo, str]:
         plaintext = new_key()
-        info = KeyInfo(new_id("key"), account_id, rpm, tpm, self.clock(), None)
+        key_id = new_id("key")
 
         def tx_fn(tx: Tx) -> KeyInfo:
             if tx.one("SELECT 1 FROM accounts WHERE id = ?", (account_id,)) is None:
                 raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
             tx.run(
-                "INSERT INTO api_keys (id, account_id, key_hash, rpm, tpm, created) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (info.id, account_id, hash_key(plaintext), rpm, tpm, info.created),
+                "INSERT INTO api_keys (id, account_id, key_hash, rpm, tpm, created, priority) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (key_id, account_id, hash_key(plaintext), rpm, tpm, self.clock(), priority),
             )
-            return info
+            return _key(tx.one(f"SELECT {_KEY_COLS} FROM {_KEY_JOIN} WHERE k.id = ?", (key_id,)))
 
         return await self._run(tx_fn), plaintext
 
     async def resolve_key(self, plaintext: str) -> KeyInfo | None:
         digest = hash_key(plaintext)
         row = await self._run(
-            lambda tx: tx.one(f"SELECT {_KEY_COLS} FROM api_keys WHERE key_hash = ?", (digest,))
+            lambda tx: tx.one(
+                f"SELECT {_KEY_COLS} FROM {_KEY_JOIN} WHERE k.key_hash = ?", (digest,)
+            )
         )
         return None if row is None else _key(row)
+
+    async def set_key_priority(self, key_id: str, priority: KeyPriority) -> KeyInfo | None:
+        def tx_fn(tx: Tx) -> KeyInfo | None:
+            tx.run("UPDATE api_keys SET priority = ? WHERE id = ?", (priority, key_id))
+            row = tx.one(f"SELECT {_KEY_COLS} FROM {_KEY_JOIN} WHERE k.id = ?", (key_id,))
+            return None if row is None else _key(row)
+
+        return await self._run(tx_fn)
 
     async def revoke_key(self, key_id: str) -> KeyInfo | None:
         def tx_fn(tx: Tx) -> KeyInfo | None:
@@ -294,7 +375,7 @@ class SqlLedger:
                 "UPDATE api_keys SET revoked = ? WHERE id = ? AND revoked IS NULL",
                 (self.clock(), key_id),
             )
-            row = tx.one(f"SELECT {_KEY_COLS} FROM api_keys WHERE id = ?", (key_id,))
+            row = tx.one(f"SELECT {_KEY_COLS} FROM {_KEY_JOIN} WHERE k.id = ?", (key_id,))
             return None if row is None else _key(row)
 
         return await self._run(tx_fn)
