@@ -335,6 +335,9 @@ class Settings(BaseModel):
     log_level: str = "info"
     # Prometheus observer and GET /metrics; off, the hot path carries no observer at all.
     metrics: bool = True
+    # Also count tokens served per account (one series per account and deployment:
+    # opt in only where accounts are few). Off, tokens are counted by priority class.
+    metrics_per_account: bool = False
     drain_s: float = Field(default=DEFAULT_DRAIN_S, ge=0)
     client_timeout_s: float = Field(default=DEFAULT_CLIENT_TIMEOUT_S, gt=0)
     # The Ray cluster of deployments with placement = "ray": "local" starts a private
@@ -393,6 +396,7 @@ _ENV_KEYS = (
     "admin_key",
     "log_level",
     "metrics",
+    "metrics_per_account",
     "drain_s",
     "client_timeout_s",
     "ray_address",

@@ -8,6 +8,10 @@ are read from the deployments when Prometheus scrapes, so they cost nothing betw
 scrapes. Names follow vLLM's (``vllm:`` becomes ``tokenmill_``) and every series has
 a ``deployment`` label.
 
+Fair share shows by priority class (three values: bounded): queue time and tokens
+served per class. Tokens served per account are opt-in (``metrics_per_account``): one
+series per account is unbounded where accounts are many.
+
 Each :class:`GatewayMetrics` owns its own :class:`CollectorRegistry`: several apps
 in one process (tests, embedded use) never clash on the global registry.
 """
@@ -66,7 +70,13 @@ class _Bound:
 class GatewayMetrics:
     """Observer feeding Prometheus metrics; attach with ``gateway.observers.append``."""
 
-    def __init__(self, gateway: Gateway, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        registry: CollectorRegistry | None = None,
+        *,
+        per_account: bool = False,
+    ) -> None:
         self.gateway = gateway
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -97,6 +107,29 @@ class GatewayMetrics:
             ["deployment"],
             buckets=QUEUE_BUCKETS,
             registry=r,
+        )
+        self.class_queue = Histogram(
+            "tokenmill_queue_time_by_priority_seconds",
+            "Time a request waited in the admission queue, by its priority class.",
+            ["deployment", "priority"],
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.served = Counter(
+            "tokenmill_served_tokens",
+            "Prompt and completion tokens served, by priority class.",
+            ["deployment", "priority"],
+            registry=r,
+        )
+        self.account_served = (
+            Counter(
+                "tokenmill_account_served_tokens",
+                "Prompt and completion tokens served, by account (metrics_per_account).",
+                ["deployment", "account"],
+                registry=r,
+            )
+            if per_account
+            else None
         )
         self.stage = Histogram(
             "tokenmill_first_token_stage_seconds",
@@ -165,6 +198,9 @@ class GatewayMetrics:
     def on_start(self, record: RequestRecord) -> None:
         try:
             self._bind(record.deployment).queue.observe(record.queue_s)
+            self.class_queue.labels(record.deployment, record.caller.priority).observe(
+                record.queue_s
+            )
         except Exception:  # an observer must never break a request
             log.exception("metrics: on_start failed")
 
@@ -193,6 +229,10 @@ class GatewayMetrics:
             return
         b.prompt.inc(record.prompt_tokens)
         b.generation.inc(record.completion_tokens)
+        served = record.prompt_tokens + record.completion_tokens
+        self.served.labels(record.deployment, record.caller.priority).inc(served)
+        if self.account_served is not None:
+            self.account_served.labels(record.deployment, record.caller.account_id).inc(served)
         if record.charged:
             b.spend.inc(record.charged)
         b.e2e.observe(record.duration_s)

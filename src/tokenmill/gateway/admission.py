@@ -15,9 +15,10 @@ A request takes one slot per choice it generates (``n``, several prompts): its
 ``weight``. A heavy request that is next waits until its slots are free, and lighter
 ones do not overtake it (they would starve it).
 
-An account with ``max_concurrent`` runs at most that many requests at once here; as
-many more may wait (its own share of the queue), beyond that it is refused with 429
-``account_concurrency_exceeded``, so one tenant cannot fill ``max_queue``.
+An account with ``max_concurrent`` runs at most that many requests at once here, and
+has at most as many again waiting (its own share of the queue): a request beyond
+that is refused with 429 ``account_concurrency_exceeded``, so one tenant cannot fill
+``max_queue``.
 
 Capacity follows the replicas that can serve (:meth:`Admission.resize`): while a
 replica restarts its slots leave the pool, and with none left requests wait in the
@@ -122,13 +123,17 @@ class Admission:
 
     def _check_share(self, tenant: Tenant) -> None:
         cap = tenant.max_concurrent
-        if cap is None or not self.fair or self._queue.may_start(tenant):
+        if cap is None or not self.fair:
             return
-        if self._queue.queued(tenant.account) < cap * QUEUED_PER_STREAM:
+        account = tenant.account
+        if self._queue.running(account) + self._queue.queued(account) < cap * (
+            1 + QUEUED_PER_STREAM
+        ):
             return
         raise OverloadedError(
-            f"this account runs at most {cap} stream(s) at once on this deployment "
-            f"and has {cap * QUEUED_PER_STREAM} more waiting; retry when one ends",
+            f"this account runs at most {cap} stream(s) at once on this deployment, "
+            f"with {cap * QUEUED_PER_STREAM} more waiting, and has that many open; "
+            "retry when one ends",
             retry_after=max(1.0, self._hold_s),
             code="account_concurrency_exceeded",
         )

@@ -110,6 +110,8 @@ class RequestStream:
         self._engine_stream: ChunkStream | None = None
         self._closing: asyncio.Task[None] | None = None
         self.usage: Usage | None = None
+        # Completion tokens counted toward the account's fair share so far.
+        self._served = 0
         # Set by the drain before it aborts this stream: the client is told why.
         self.cut_at_shutdown = False
 
@@ -149,6 +151,7 @@ class RequestStream:
                     self.usage = chunk.usage
                     rec.completion_tokens = chunk.usage.completion_tokens
                     rec.cached_tokens = chunk.usage.cached_tokens
+                self._count_service()
                 if chunk.finish_reason == "abort" and self.cut_at_shutdown:
                     break
                 if chunk.finish_reason is not None:
@@ -195,6 +198,13 @@ class RequestStream:
         finally:
             await self.aclose()
 
+    def _count_service(self) -> None:
+        """Charge the account's fair-share counter with the tokens produced since."""
+        produced = self.record.completion_tokens - self._served
+        if produced > 0:
+            self._served += produced
+            self.deployment.admission.serve(self.record.caller.account_id, 0, produced)
+
     def _start_close(self) -> asyncio.Task[None]:
         if self._closing is None:
             self._closing = asyncio.ensure_future(self._close())
@@ -214,6 +224,7 @@ class RequestStream:
         if rec.finish_reason not in ("stop", "length") and rec.status == "ok":
             rec.finish_reason = "abort"
             rec.status = "cancelled"
+        self._count_service()  # before its slots go to the next account
         # Capacity first: the slot and the permit return before any slow bookkeeping.
         self._gateway._release(self.deployment, self._replica, rec, self.request.choices)
         try:
@@ -229,6 +240,7 @@ class RequestStream:
                             "request %s did not stop within %ss", self.request_id, CANCEL_WAIT_S
                         )
                 rec.completion_tokens = max(rec.completion_tokens, stream.tokens)
+                self._count_service()  # the last step's, if the account still runs
         finally:
             try:
                 await self._gateway._settle(self._hold, rec)
@@ -343,7 +355,7 @@ class Gateway:
                     "at once",
                     param="n",
                 )
-            queue_s = await deployment.admission.acquire(weight)
+            queue_s = await deployment.admission.acquire(weight, caller.tenant())
         except BaseException as e:
             self._refused(record, e)
             raise
@@ -356,6 +368,7 @@ class Gateway:
             info = await replica.host.prepare(request)
             marks["prepared"] = time.monotonic()
             record.prompt_tokens = info.prompt_tokens
+            deployment.admission.serve(caller.account_id, info.prompt_tokens)
             max_tokens = request.sampling.max_tokens
             if max_tokens <= 0:  # not given: the rest of the context window
                 longest = info.longest_prompt or info.prompt_tokens
@@ -377,7 +390,7 @@ class Gateway:
         except BaseException as e:
             if replica is not None:
                 deployment.release(replica, weight)
-            deployment.admission.release(weight=weight)
+            deployment.admission.release(weight=weight, account=caller.account_id)
             self._refused(record, e)
             raise
         stream = RequestStream(self, deployment, replica, request, hold, record)
@@ -426,7 +439,7 @@ class Gateway:
     ) -> None:
         deployment.release(replica, weight)
         held_s = time.monotonic() - record.started - record.queue_s
-        deployment.admission.release(held_s, weight)
+        deployment.admission.release(held_s, weight, record.caller.account_id)
 
     async def _settle(self, hold: HoldRequest, record: RequestRecord) -> None:
         record.duration_s = time.monotonic() - record.started
@@ -466,6 +479,8 @@ class Gateway:
                     "request_id": record.request_id,
                     "deployment": record.deployment,
                     "account": record.caller.account_id,
+                    # The class it was served in (docs/fairness.md).
+                    "priority": record.caller.priority,
                     "prompt_tokens": record.prompt_tokens,
                     "completion_tokens": record.completion_tokens,
                     "cached_tokens": record.cached_tokens,

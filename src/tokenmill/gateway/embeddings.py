@@ -33,7 +33,7 @@ async def embed(
     record = RequestRecord(request.request_id, deployment.id, caller)
     try:
         gateway.check_admits(caller, "embed")
-        record.queue_s = await deployment.admission.acquire()
+        record.queue_s = await deployment.admission.acquire(1, caller.tenant())
     except BaseException as e:
         gateway._refused(record, e)
         raise
@@ -42,6 +42,7 @@ async def embed(
         replica = await deployment.pick()
         info = await replica.host.prepare_embeddings(request)
         record.prompt_tokens = info.prompt_tokens
+        deployment.admission.serve(caller.account_id, info.prompt_tokens)
         hold = HoldRequest(
             request_id=request.request_id,
             caller=caller,
@@ -85,7 +86,7 @@ def _release(deployment: Deployment, replica: Replica | None, record: RequestRec
     if replica is not None:
         deployment.release(replica)
     held_s = time.monotonic() - record.started - record.queue_s
-    deployment.admission.release(held_s)
+    deployment.admission.release(held_s, account=record.caller.account_id)
 
 
 __all__ = ["embed"]

@@ -8,19 +8,38 @@ the real implementation; :class:`FreeMeter` is used when metering is off.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from tokenmill.config import Price
+from tokenmill.gateway.fairqueue import DEFAULT_PRIORITY, Priority, Tenant, capped
 
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who is asking: resolved by the server's auth from the API key."""
+    """Who is asking: resolved by the server's auth from the API key.
+
+    The scheduling fields come from the ledger (docs/fairness.md): the account's
+    ``weight`` and ``max_concurrent``, and the key's class, which is both the class of
+    its requests (``priority``, until a request asks for another) and the highest
+    one they may ask for (``max_priority``).
+    """
 
     account_id: str
     key_id: str | None = None
     is_admin: bool = False
+    weight: float = 1.0
+    max_concurrent: int | None = None
+    priority: Priority = DEFAULT_PRIORITY
+    max_priority: Priority = "interactive"
+
+    def asking(self, priority: Priority | None) -> Caller:
+        """This caller for a request that asks for ``priority`` (None: the key's own)."""
+        return replace(self, priority=capped(priority, self.priority, self.max_priority))
+
+    def tenant(self) -> Tenant:
+        """Whom admission serves this request for."""
+        return Tenant(self.account_id, self.weight, self.priority, self.max_concurrent)
 
 
 ANONYMOUS = Caller(account_id="anonymous")

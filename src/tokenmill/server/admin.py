@@ -13,8 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.errors import NotFoundError
 from tokenmill.gateway.metering import Caller
+from tokenmill.ledger.base import KEEP, MAX_WEIGHT, KeyInfo, KeyPriority, Receipt
 from tokenmill.ledger.base import Account as LedgerAccount
-from tokenmill.ledger.base import KeyInfo, Receipt
 from tokenmill.ledger.sql import SqlLedger
 from tokenmill.server.openapi import errors, json_body, link
 from tokenmill.server.protocol import Int
@@ -28,16 +28,44 @@ MAX_USAGE_PAGE = 1000
 MAX_MICRO_UNITS = 10**15
 # A per-minute limit above this limits nothing (leave it out); it also stays in 64 bits.
 MAX_PER_MINUTE = 10**12
+# Streams one account may run at once: far beyond any deployment's slots.
+MAX_CONCURRENT = 10**6
 
 
 # As strict as the generation bodies: 5.0 is 5, but "5" and true are not numbers.
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
+Weight = Field(
+    default=1.0,
+    gt=0,
+    le=MAX_WEIGHT,
+    allow_inf_nan=False,
+    description="its share of a busy deployment against other accounts (docs/fairness.md)",
+)
+MaxConcurrent = Field(
+    default=None,
+    ge=1,
+    le=MAX_CONCURRENT,
+    description="streams it may run at once on one deployment; null: no cap",
+)
+PRIORITY_HELP = "the class of the key's requests and the highest they may ask for"
+
+
 class NewAccount(BaseModel):
     model_config = _STRICT
     name: str = Field(min_length=1, max_length=200)
     balance: Int = Field(default=0, ge=0, le=MAX_MICRO_UNITS, description="micro-units")
+    weight: float = Weight
+    max_concurrent: Int | None = MaxConcurrent
+
+
+class AccountChange(BaseModel):
+    """``PATCH /admin/accounts/{id}``: the fields given change, the rest stay."""
+
+    model_config = _STRICT
+    weight: float = Weight
+    max_concurrent: Int | None = MaxConcurrent
 
 
 class Credits(BaseModel):
@@ -54,6 +82,12 @@ class NewKey(BaseModel):
     account: str = Field(min_length=1)
     rpm: Int | None = Field(default=None, ge=1, le=MAX_PER_MINUTE)
     tpm: Int | None = Field(default=None, ge=1, le=MAX_PER_MINUTE)
+    priority: KeyPriority = Field(default="default", description=PRIORITY_HELP)
+
+
+class KeyChange(BaseModel):
+    model_config = _STRICT
+    priority: KeyPriority = Field(default="default", description=PRIORITY_HELP)
 
 
 class _Response(BaseModel):
@@ -67,6 +101,8 @@ class Account(_Response):
     held: int = Field(description="micro-units held for requests still running")
     unlimited: bool
     created: float
+    weight: float
+    max_concurrent: int | None
 
     @classmethod
     def of(cls, acc: LedgerAccount) -> Account:
@@ -77,6 +113,8 @@ class Account(_Response):
             held=acc.held,
             unlimited=acc.unlimited,
             created=acc.created,
+            weight=acc.weight,
+            max_concurrent=acc.max_concurrent,
         )
 
 
@@ -87,6 +125,7 @@ class ApiKey(_Response):
     tpm: int | None
     created: float
     revoked: float | None
+    priority: KeyPriority
 
     @classmethod
     def of(cls, info: KeyInfo) -> ApiKey:
@@ -97,6 +136,7 @@ class ApiKey(_Response):
             tpm=info.tpm,
             created=info.created,
             revoked=info.revoked,
+            priority=info.priority,
         )
 
 
@@ -168,12 +208,33 @@ ACCOUNT_LINKS = {
 )
 async def create_account(request: Request) -> Account:
     body = await parse(request, NewAccount)
-    return Account.of(await ledger_of(request).create_account(body.name, body.balance))
+    acc = await ledger_of(request).create_account(
+        body.name, body.balance, weight=body.weight, max_concurrent=body.max_concurrent
+    )
+    return Account.of(acc)
 
 
 @router.get("/admin/accounts/{account_id}", responses=errors(404))
 async def get_account(request: Request, account_id: str) -> Account:
     return Account.of(await _account_or_404(ledger_of(request), account_id))
+
+
+@router.patch(
+    "/admin/accounts/{account_id}",
+    openapi_extra=json_body(AccountChange),
+    responses={200: {"links": ACCOUNT_LINKS}, **errors(400, 404, 413)},
+)
+async def update_account(request: Request, account_id: str) -> Account:
+    body = await parse(request, AccountChange)
+    given = body.model_fields_set
+    acc = await ledger_of(request).update_account(
+        account_id,
+        weight=body.weight if "weight" in given else KEEP,
+        max_concurrent=body.max_concurrent if "max_concurrent" in given else KEEP,
+    )
+    # This gateway's next request sees it; others' within the key cache's TTL.
+    request.app.state.key_cache.forget_account(account_id)
+    return Account.of(acc)
 
 
 @router.post(
@@ -204,7 +265,9 @@ async def account_usage(request: Request, account_id: str, limit: int = 100) -> 
 )
 async def create_key(request: Request) -> NewApiKey:
     body = await parse(request, NewKey)
-    info, plaintext = await ledger_of(request).create_key(body.account, rpm=body.rpm, tpm=body.tpm)
+    info, plaintext = await ledger_of(request).create_key(
+        body.account, rpm=body.rpm, tpm=body.tpm, priority=body.priority
+    )
     # The only time the key's plain text exists outside the caller's hands.
     return NewApiKey(**ApiKey.of(info).model_dump(), key=plaintext)
 
@@ -212,6 +275,18 @@ async def create_key(request: Request) -> NewApiKey:
 @router.delete("/admin/keys/{key_id}", responses=errors(404))
 async def revoke_key(request: Request, key_id: str) -> ApiKey:
     info = await ledger_of(request).revoke_key(key_id)
+    if info is None:
+        raise NotFoundError(f"no key {key_id!r}", code="key_not_found")
+    request.app.state.key_cache.forget(key_id)
+    return ApiKey.of(info)
+
+
+@router.patch(
+    "/admin/keys/{key_id}", openapi_extra=json_body(KeyChange), responses=errors(400, 404, 413)
+)
+async def update_key(request: Request, key_id: str) -> ApiKey:
+    body = await parse(request, KeyChange)
+    info = await ledger_of(request).set_key_priority(key_id, body.priority)
     if info is None:
         raise NotFoundError(f"no key {key_id!r}", code="key_not_found")
     request.app.state.key_cache.forget(key_id)

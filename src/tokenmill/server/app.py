@@ -147,7 +147,9 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     app.state.gateway = gw
     # Per-app registry: several apps in one process never clash on the global one.
     # ``metrics = false`` leaves the observer out entirely, and /metrics 404s.
-    metrics = GatewayMetrics(gw) if settings.metrics else None
+    metrics = (
+        GatewayMetrics(gw, per_account=settings.metrics_per_account) if settings.metrics else None
+    )
     if metrics is not None:
         gw.observers.append(metrics)
     app.state.metrics = metrics

@@ -76,6 +76,12 @@ class KeyCache:
             d: e for d, e in self._entries.items() if e[1] is None or e[1].id != key_id
         }
 
+    def forget_account(self, account_id: str) -> None:
+        """Drop an account's keys now: its settings changed (other gateways: the TTL)."""
+        self._entries = {
+            d: e for d, e in self._entries.items() if e[1] is None or e[1].account_id != account_id
+        }
+
 
 # Outside /v1 and keyed like it: vLLM's paths for the model's tokenizer.
 KEYED_ROOT_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
@@ -150,4 +156,11 @@ class Auth:
             raise AuthenticationError("invalid or revoked API key")
         if is_admin_path:
             raise PermissionDeniedError("the admin API needs the admin key")
-        return Caller(account_id=info.account_id, key_id=info.id)
+        return Caller(
+            account_id=info.account_id,
+            key_id=info.id,
+            weight=info.weight,
+            max_concurrent=info.max_concurrent,
+            priority=info.priority,
+            max_priority=info.priority,
+        )

@@ -154,6 +154,16 @@ class SamplingFields(StructuredFields, RefusedFields):
     chat_template: str | None = None
     user: str | None = None
     ignore_eos: bool = False
+    # The request's priority class (docs/fairness.md), at most its key's: a name, or
+    # vLLM's integer (below 0 interactive, 0 default, above 0 batch); OpenAI's
+    # service_tier maps too (flex: batch; priority, scale: interactive).
+    priority: Int | str | None = Field(
+        default=None,
+        description="interactive, default or batch (or vLLM's integer); capped by the key's",
+    )
+    service_tier: str | None = Field(
+        default=None, description="OpenAI's: auto, default, flex (batch), priority, scale"
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -603,6 +613,17 @@ class ReplicaInfo(BaseModel):
     threads: int | None = None
 
 
+class AccountShare(_Response):
+    """An account waiting or running on a deployment, and the share it is owed."""
+
+    account: str
+    weight: float
+    running: int
+    queued: dict[Literal["batch", "default", "interactive"], int]
+    virtual_tokens: float
+    share: float
+
+
 class DeploymentInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
     id: str
@@ -612,6 +633,8 @@ class DeploymentInfo(BaseModel):
     in_flight: int
     queued: int
     replicas: list[ReplicaInfo]
+    admission: Literal["fair", "fifo"] = "fair"
+    accounts: list[AccountShare] = []
 
 
 class DeploymentList(_Response):

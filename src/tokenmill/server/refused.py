@@ -106,7 +106,6 @@ NO_OPS = (
     "user",
     "metadata",
     "store",
-    "service_tier",
     "prompt_cache_key",
     "safety_identifier",
     "parallel_tool_calls",
@@ -162,7 +161,6 @@ class RefusedFields(BaseModel):
     # No-ops: any value, nothing changes.
     metadata: Any = None
     store: Any = None
-    service_tier: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
     parallel_tool_calls: Any = None

@@ -17,6 +17,7 @@ from tokenmill import stages
 from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableError
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
+from tokenmill.gateway.fairqueue import requested_priority
 from tokenmill.server import embeddings, serving
 from tokenmill.server.errors import from_validation_error, read_body
 from tokenmill.server.openapi import (
@@ -110,13 +111,15 @@ async def _generate(
     messages: Any = None,
 ) -> Response:
     gw = gateway_of(request)
+    # The class it asked for, at most its key's (docs/fairness.md).
+    caller = request.state.caller.asking(requested_priority(body.priority, body.service_tier))
     gen = await open_generation(
         gw,
         deployment,
         body,
         route,
         request.state.request_id,
-        request.state.caller,
+        caller,
         prompt=prompt,
         prompt_tokens=prompt_tokens,
         prompts=prompts,
