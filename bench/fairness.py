@@ -1,0 +1,432 @@
+"""Fair share between tenants against FIFO, on one tokenmill server (issue 27).
+
+One gateway with the embedded model (or ``--model``), metered by a SQLite ledger
+with an admin key, serves two deployments of the same model side by side: ``fair``
+(``admission = "fair"``) and ``fifo`` (``admission = "fifo"``), each one replica with
+``--slots`` slots. They are measured in turn, never at once:
+
+1. **alone**: the light tenant (one short request at a time) on an idle deployment:
+   its time to first token (TTFT) with nobody else.
+2. **flood**, on each deployment: a flooding tenant keeps ``--flood`` streams open
+   at once for ``--seconds`` while the light tenant goes on one request at a time.
+   The light tenant's TTFT p50/p95 against alone and against the flood's own, each
+   tenant's share of the tokens, and the total tok/s of the two deployments.
+3. **weighted**: three tenants with weights 1:1:2, each keeping ``--backlog`` streams
+   open (so all are backlogged), on the fair deployment: each one's share of the
+   tokens streamed in the window and Jain's fairness index over tokens / weight.
+
+Tokens are counted as they stream (one per text chunk) inside each window; requests
+still open at the end of a window are cancelled (and billed for what they produced).
+At the end the books are checked: no hold left open, and every account's balance is
+its credit less the sum of its receipts.
+
+Run: ``python bench/fairness.py [--seconds 30] [--flood 16] [--slots 4]``; the
+results are printed and written as JSON to ``--out`` (default
+``.bench-cache/fairness.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ADMIN_KEY = "bench-fairness-admin"
+CREDIT = 10**12  # micro-units: no tenant runs out in a benchmark
+PROMPT_PRICE, COMPLETION_PRICE = 1_000_000, 2_000_000  # per million tokens
+LIGHT_PROMPT = "Name a colour."
+FLOOD_PROMPT = "Write a long story about a lighthouse keeper and the sea."
+# The light tenant's answers are short, the flood's long: the light tenant's latency
+# is mostly its wait for a slot, which is what fair share changes.
+LIGHT_TOKENS = 8
+FLOOD_TOKENS = 96
+
+
+@dataclass
+class Tenant:
+    name: str
+    key: str
+    account: str
+    weight: float = 1.0
+    ttft_s: list[float] = field(default_factory=list)
+    # Monotonic times of the text chunks streamed to this tenant.
+    chunk_times: list[float] = field(default_factory=list)
+    latencies_s: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def tokens_between(self, start: float, end: float) -> int:
+        return sum(1 for t in self.chunk_times if start <= t < end)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def config(args: argparse.Namespace) -> str:
+    model = f'model = "{args.model}"\n' if args.model else ""
+    sections = []
+    for admission in ("fair", "fifo"):
+        sections.append(
+            f'[[deployments]]\nid = "{admission}"\nadmission = "{admission}"\n{model}'
+            f"max_num_seqs = {args.slots}\nmax_queue = 256\nqueue_timeout_s = 600\n"
+            f"n_ctx = 1024\n"
+            f"[deployments.price]\nprompt_per_mtok = {PROMPT_PRICE}\n"
+            f"completion_per_mtok = {COMPLETION_PRICE}\n"
+        )
+    return "\n".join(sections)
+
+
+class Gateway:
+    """A ``tokenmill serve`` child process with the admin key and a SQLite ledger."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.port = free_port()
+        cfg = tmp / "tokenmill.toml"
+        cfg.write_text(config(args))
+        self.log_path = tmp / "gateway.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+        env["TOKENMILL_ADMIN_KEY"] = ADMIN_KEY
+        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(self.port)]
+        cmd += ["--data-dir", str(tmp / "data"), "--config", str(cfg)]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"the gateway exited with {self.proc.returncode}:\n{tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"the gateway was not ready after {timeout:g}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def new_tenant(admin: httpx.Client, name: str, weight: float = 1.0) -> Tenant:
+    r = admin.post("/admin/accounts", json={"name": name, "balance": CREDIT, "weight": weight})
+    r.raise_for_status()
+    account = r.json()["id"]
+    r = admin.post("/admin/keys", json={"account": account})
+    r.raise_for_status()
+    return Tenant(name, r.json()["key"], account, weight)
+
+
+async def stream_one(
+    client: httpx.AsyncClient, tenant: Tenant, model: str, prompt: str, max_tokens: int
+) -> None:
+    """One streamed chat completion; its TTFT and chunk times go to ``tenant``."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,  # every answer as long as asked: comparable runs
+        "stream": True,
+    }
+    headers = {"authorization": f"Bearer {tenant.key}"}
+    start = time.monotonic()
+    first = True
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            tenant.errors.append(f"{r.status_code}: {(await r.aread())[:200]!r}")
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or '"content"' not in line:
+                continue
+            event = json.loads(line[5:])
+            if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
+                now = time.monotonic()
+                if first:
+                    tenant.ttft_s.append(now - start)
+                    first = False
+                tenant.chunk_times.append(now)
+    tenant.latencies_s.append(time.monotonic() - start)
+
+
+async def keep_open(
+    client: httpx.AsyncClient,
+    tenant: Tenant,
+    model: str,
+    streams: int,
+    prompt: str,
+    max_tokens: int,
+    until: float,
+) -> None:
+    """``streams`` requests of ``tenant`` open at once until ``until``, then cancelled."""
+
+    async def loop() -> None:
+        while time.monotonic() < until:
+            await stream_one(client, tenant, model, prompt, max_tokens)
+
+    tasks = [asyncio.create_task(loop()) for _ in range(streams)]
+    await asyncio.sleep(max(0.0, until - time.monotonic()))
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def jain(xs: list[float]) -> float:
+    """Jain's fairness index: 1 when all equal, 1/n when one takes everything."""
+    total = sum(xs)
+    squares = sum(x * x for x in xs)
+    return total * total / (len(xs) * squares) if squares else 1.0
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+async def alone(url: str, light: Tenant, seconds: float) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=url, timeout=600.0) as client:
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            await stream_one(client, light, "fair", LIGHT_PROMPT, LIGHT_TOKENS)
+    return {
+        "requests": len(light.ttft_s),
+        "ttft_p50_ms": ms(statistics.median(light.ttft_s)),
+        "ttft_p95_ms": ms(percentile(light.ttft_s, 0.95)),
+    }
+
+
+async def flood(
+    url: str, model: str, flooder: Tenant, light: Tenant, args: argparse.Namespace
+) -> dict[str, Any]:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=600.0, limits=httpx.Limits(max_connections=args.flood + 8)
+    ) as client:
+        start = time.monotonic()
+        until = start + args.seconds
+        # The flood fills the queue first; the light tenant starts a moment later.
+        flooding = asyncio.create_task(
+            keep_open(client, flooder, model, args.flood, FLOOD_PROMPT, FLOOD_TOKENS, until)
+        )
+        await asyncio.sleep(min(2.0, args.seconds / 10))
+        while time.monotonic() < until:
+            await stream_one(client, light, model, LIGHT_PROMPT, LIGHT_TOKENS)
+        await flooding
+    tokens = {t.name: t.tokens_between(start, until) for t in (flooder, light)}
+    total = sum(tokens.values())
+    # One slot's turnover: how long until some slot frees, on average.
+    turnover = statistics.mean(flooder.latencies_s) / args.slots if flooder.latencies_s else None
+    return {
+        "light_requests": len(light.ttft_s),
+        "light_ttft_p50_ms": ms(statistics.median(light.ttft_s)) if light.ttft_s else None,
+        "light_ttft_p95_ms": ms(percentile(light.ttft_s, 0.95)),
+        "flood_ttft_p50_ms": ms(statistics.median(flooder.ttft_s)) if flooder.ttft_s else None,
+        "slot_turnover_ms": ms(turnover),
+        "tokens": tokens,
+        "share": {name: round(n / total, 4) if total else 0.0 for name, n in tokens.items()},
+        "tok_per_s": round(total / args.seconds, 2),
+        "errors": flooder.errors + light.errors,
+    }
+
+
+async def weighted(
+    url: str, model: str, tenants: list[Tenant], args: argparse.Namespace
+) -> dict[str, Any]:
+    async with httpx.AsyncClient(
+        base_url=url,
+        timeout=600.0,
+        limits=httpx.Limits(max_connections=args.backlog * len(tenants) + 8),
+    ) as client:
+        warm = min(5.0, args.seconds / 5)  # everyone backlogged before counting starts
+        start = time.monotonic() + warm
+        until = start + args.seconds
+        await asyncio.gather(
+            *(
+                keep_open(client, t, model, args.backlog, FLOOD_PROMPT, FLOOD_TOKENS, until)
+                for t in tenants
+            )
+        )
+    tokens = {t.name: t.tokens_between(start, until) for t in tenants}
+    total = sum(tokens.values()) or 1
+    total_weight = sum(t.weight for t in tenants)
+    return {
+        "weights": {t.name: t.weight for t in tenants},
+        "tokens": tokens,
+        "share": {t.name: round(tokens[t.name] / total, 4) for t in tenants},
+        "target_share": {t.name: round(t.weight / total_weight, 4) for t in tenants},
+        "jain_index": round(jain([tokens[t.name] / t.weight for t in tenants]), 4),
+        "tok_per_s": round(sum(tokens.values()) / args.seconds, 2),
+        "errors": [e for t in tenants for e in t.errors],
+    }
+
+
+def books(admin: httpx.Client, tenants: list[Tenant]) -> dict[str, Any]:
+    """Every hold settled, and every balance equal to credit less its receipts."""
+
+    def settled() -> bool:
+        return all(admin.get(f"/admin/accounts/{t.account}").json()["held"] == 0 for t in tenants)
+
+    deadline = time.monotonic() + 120
+    while not settled() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    out: dict[str, Any] = {"balanced": True, "accounts": {}}
+    for t in tenants:
+        acc = admin.get(f"/admin/accounts/{t.account}").json()
+        receipts = admin.get(f"/admin/accounts/{t.account}/usage", params={"limit": 1000}).json()
+        charged = sum(r["charged"] for r in receipts["data"])
+        ok = (
+            acc["held"] == 0 and acc["balance"] == CREDIT - charged and len(receipts["data"]) < 1000
+        )
+        out["accounts"][t.name] = {"receipts": len(receipts["data"]), "charged": charged, "ok": ok}
+        out["balanced"] = out["balanced"] and ok
+    return out
+
+
+async def run(args: argparse.Namespace, url: str, admin: httpx.Client) -> dict[str, Any]:
+    results: dict[str, Any] = {"settings": vars(args) | {"out": str(args.out)}}
+    light_alone = new_tenant(admin, "light-alone")
+    results["alone"] = await alone(url, light_alone, min(args.seconds, 15.0))
+    everyone = [light_alone]
+    results["flood"] = {}
+    for model in ("fair", "fifo"):
+        flooder, light = new_tenant(admin, f"flood-{model}"), new_tenant(admin, f"light-{model}")
+        everyone += [flooder, light]
+        results["flood"][model] = await flood(url, model, flooder, light, args)
+        print(f"flood on {model}: {json.dumps(results['flood'][model])}", flush=True)
+    tenants = [new_tenant(admin, f"w{i}-{w:g}", w) for i, w in enumerate(args.weights)]
+    everyone += tenants
+    results["weighted"] = await weighted(url, "fair", tenants, args)
+    results["books"] = books(admin, everyone)
+    return results
+
+
+def report(results: dict[str, Any]) -> str:
+    alone_p50 = results["alone"]["ttft_p50_ms"]
+    fair, fifo = results["flood"]["fair"], results["flood"]["fifo"]
+    w = results["weighted"]
+    lines = [
+        f"light tenant alone: TTFT p50 {alone_p50} ms, p95 {results['alone']['ttft_p95_ms']} ms",
+    ]
+    for name, r in (("fair", fair), ("fifo", fifo)):
+        lines.append(
+            f"flood + light, {name}:  light TTFT p50 {r['light_ttft_p50_ms']} ms, "
+            f"p95 {r['light_ttft_p95_ms']} ms; flood TTFT p50 {r['flood_ttft_p50_ms']} ms; "
+            f"slot turnover {r['slot_turnover_ms']} ms; token share {r['share']}; "
+            f"{r['tok_per_s']} tok/s"
+        )
+    ratio = fair["tok_per_s"] / fifo["tok_per_s"] if fifo["tok_per_s"] else None
+    lines.append(f"total tok/s fair / fifo: {ratio and round(ratio, 3)}")
+    lines.append(
+        f"weighted {w['weights']}: shares {w['share']} (target {w['target_share']}), "
+        f"Jain's index {w['jain_index']}, {w['tok_per_s']} tok/s"
+    )
+    lines.append(f"books balance: {results['books']['balanced']}")
+    # The issue's targets.
+    checks = []
+    if fair["light_ttft_p50_ms"] and fair["flood_ttft_p50_ms"]:
+        checks.append(
+            (
+                "light p50 <= 1/3 flood p50",
+                fair["light_ttft_p50_ms"] * 3 <= fair["flood_ttft_p50_ms"],
+            )
+        )
+    if fair["light_ttft_p50_ms"] and fair["slot_turnover_ms"] and alone_p50:
+        extra = fair["light_ttft_p50_ms"] - alone_p50
+        checks.append(
+            (
+                "light p50 - alone p50 <= 1.5 x slot turnover",
+                extra <= 1.5 * fair["slot_turnover_ms"],
+            )
+        )
+    if ratio is not None:
+        checks.append(("tok/s fair >= 0.97 x fifo", ratio >= 0.97))
+    checks.append(
+        (
+            "weighted shares within 10 % of target",
+            all(
+                abs(w["share"][n] - w["target_share"][n]) <= 0.1 * w["target_share"][n]
+                for n in w["share"]
+            ),
+        )
+    )
+    checks.append(("books balance", results["books"]["balanced"]))
+    lines += [f"  [{'ok' if ok else 'MISSED'}] {name}" for name, ok in checks]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=30.0, help="length of each measured window"
+    )
+    parser.add_argument(
+        "--flood", type=int, default=16, help="the flooding tenant's open streams (16-32)"
+    )
+    parser.add_argument(
+        "--backlog", type=int, default=8, help="open streams of each weighted tenant"
+    )
+    parser.add_argument("--slots", type=int, default=4, help="slots of each deployment's replica")
+    parser.add_argument(
+        "--weights",
+        type=float,
+        nargs="+",
+        default=[1.0, 1.0, 2.0],
+        help="the backlogged tenants' weights",
+    )
+    parser.add_argument("--model", type=Path, help="a GGUF file (default: the embedded SmolLM2)")
+    parser.add_argument("--out", type=Path, default=Path(".bench-cache/fairness.json"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tm-fairness-") as tmp:
+        gateway = Gateway(args, Path(tmp))
+        try:
+            gateway.wait_ready()
+            with httpx.Client(
+                base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=60.0
+            ) as admin:
+                results = asyncio.run(run(args, gateway.url, admin))
+        finally:
+            gateway.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
