@@ -10,7 +10,9 @@ with an admin key, serves two deployments of the same model side by side: ``fair
 2. **flood**, on each deployment: a flooding tenant keeps ``--flood`` streams open
    at once for ``--seconds`` while the light tenant goes on one request at a time.
    The light tenant's TTFT p50/p95 against alone and against the flood's own, each
-   tenant's share of the tokens, and the total tok/s of the two deployments.
+   tenant's share of the tokens, and the total tok/s of the two deployments. The
+   windows alternate between the deployments (``--reps`` each), so that drift on a
+   shared machine hits both alike.
 3. **weighted**: three tenants with weights 1:1:2, each keeping ``--backlog`` streams
    open (so all are backlogged), on the fair deployment: each one's share of the
    tokens streamed in the window and Jain's fairness index over tokens / weight.
@@ -50,10 +52,12 @@ CREDIT = 10**12  # micro-units: no tenant runs out in a benchmark
 PROMPT_PRICE, COMPLETION_PRICE = 1_000_000, 2_000_000  # per million tokens
 LIGHT_PROMPT = "Name a colour."
 FLOOD_PROMPT = "Write a long story about a lighthouse keeper and the sea."
-# The light tenant's answers are short, the flood's long: the light tenant's latency
-# is mostly its wait for a slot, which is what fair share changes.
+# The light tenant's answers are short, the flood's longer: the light tenant's
+# latency is mostly its wait for a slot, which is what fair share changes. The flood's
+# requests must still end many times within a window (--flood-tokens): a window
+# shorter than a request measures only who was admitted first.
 LIGHT_TOKENS = 8
-FLOOD_TOKENS = 96
+MODES = ("fair", "fifo")
 
 
 @dataclass
@@ -65,11 +69,17 @@ class Tenant:
     ttft_s: list[float] = field(default_factory=list)
     # Monotonic times of the text chunks streamed to this tenant.
     chunk_times: list[float] = field(default_factory=list)
-    latencies_s: list[float] = field(default_factory=list)
+    # Each finished request's time in its slot: first token to last.
+    service_s: list[float] = field(default_factory=list)
+    # The measured windows (start, end) this tenant ran in.
+    windows: list[tuple[float, float]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def tokens_between(self, start: float, end: float) -> int:
         return sum(1 for t in self.chunk_times if start <= t < end)
+
+    def windowed_tokens(self) -> int:
+        return sum(self.tokens_between(start, end) for start, end in self.windows)
 
 
 def free_port() -> int:
@@ -156,7 +166,7 @@ async def stream_one(
     }
     headers = {"authorization": f"Bearer {tenant.key}"}
     start = time.monotonic()
-    first = True
+    first: float | None = None
     async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             tenant.errors.append(f"{r.status_code}: {(await r.aread())[:200]!r}")
@@ -167,11 +177,12 @@ async def stream_one(
             event = json.loads(line[5:])
             if any((c.get("delta") or {}).get("content") for c in event.get("choices") or ()):
                 now = time.monotonic()
-                if first:
+                if first is None:
                     tenant.ttft_s.append(now - start)
-                    first = False
+                    first = now
                 tenant.chunk_times.append(now)
-    tenant.latencies_s.append(time.monotonic() - start)
+    if first is not None:
+        tenant.service_s.append(time.monotonic() - first)
 
 
 async def keep_open(
@@ -228,7 +239,8 @@ async def alone(url: str, light: Tenant, seconds: float) -> dict[str, Any]:
 
 async def flood(
     url: str, model: str, flooder: Tenant, light: Tenant, args: argparse.Namespace
-) -> dict[str, Any]:
+) -> None:
+    """One window of the flood beside the light tenant; what happened goes to them."""
     async with httpx.AsyncClient(
         base_url=url, timeout=600.0, limits=httpx.Limits(max_connections=args.flood + 8)
     ) as client:
@@ -236,17 +248,24 @@ async def flood(
         until = start + args.seconds
         # The flood fills the queue first; the light tenant starts a moment later.
         flooding = asyncio.create_task(
-            keep_open(client, flooder, model, args.flood, FLOOD_PROMPT, FLOOD_TOKENS, until)
+            keep_open(client, flooder, model, args.flood, FLOOD_PROMPT, args.flood_tokens, until)
         )
         await asyncio.sleep(min(2.0, args.seconds / 10))
         while time.monotonic() < until:
             await stream_one(client, light, model, LIGHT_PROMPT, LIGHT_TOKENS)
         await flooding
-    tokens = {t.name: t.tokens_between(start, until) for t in (flooder, light)}
+    flooder.windows.append((start, until))
+    light.windows.append((start, until))
+
+
+def flood_summary(flooder: Tenant, light: Tenant, args: argparse.Namespace) -> dict[str, Any]:
+    tokens = {t.name: t.windowed_tokens() for t in (flooder, light)}
     total = sum(tokens.values())
+    seconds = sum(end - start for start, end in flooder.windows)
     # One slot's turnover: how long until some slot frees, on average.
-    turnover = statistics.mean(flooder.latencies_s) / args.slots if flooder.latencies_s else None
+    turnover = statistics.mean(flooder.service_s) / args.slots if flooder.service_s else None
     return {
+        "windows": len(flooder.windows),
         "light_requests": len(light.ttft_s),
         "light_ttft_p50_ms": ms(statistics.median(light.ttft_s)) if light.ttft_s else None,
         "light_ttft_p95_ms": ms(percentile(light.ttft_s, 0.95)),
@@ -254,7 +273,7 @@ async def flood(
         "slot_turnover_ms": ms(turnover),
         "tokens": tokens,
         "share": {name: round(n / total, 4) if total else 0.0 for name, n in tokens.items()},
-        "tok_per_s": round(total / args.seconds, 2),
+        "tok_per_s": round(total / seconds, 2),
         "errors": flooder.errors + light.errors,
     }
 
@@ -272,7 +291,7 @@ async def weighted(
         until = start + args.seconds
         await asyncio.gather(
             *(
-                keep_open(client, t, model, args.backlog, FLOOD_PROMPT, FLOOD_TOKENS, until)
+                keep_open(client, t, model, args.backlog, FLOOD_PROMPT, args.flood_tokens, until)
                 for t in tenants
             )
         )
@@ -317,12 +336,14 @@ async def run(args: argparse.Namespace, url: str, admin: httpx.Client) -> dict[s
     light_alone = new_tenant(admin, "light-alone")
     results["alone"] = await alone(url, light_alone, min(args.seconds, 15.0))
     everyone = [light_alone]
-    results["flood"] = {}
-    for model in ("fair", "fifo"):
-        flooder, light = new_tenant(admin, f"flood-{model}"), new_tenant(admin, f"light-{model}")
-        everyone += [flooder, light]
-        results["flood"][model] = await flood(url, model, flooder, light, args)
-        print(f"flood on {model}: {json.dumps(results['flood'][model])}", flush=True)
+    pairs = {m: (new_tenant(admin, f"flood-{m}"), new_tenant(admin, f"light-{m}")) for m in MODES}
+    everyone += [t for pair in pairs.values() for t in pair]
+    # Interleaved (fair, fifo, fifo, fair, ...): drift on a shared machine hits both alike.
+    for rep in range(args.reps):
+        for model in MODES if rep % 2 == 0 else MODES[::-1]:
+            await flood(url, model, *pairs[model], args)
+            print(f"flood window {rep + 1}/{args.reps} on {model} done", flush=True)
+    results["flood"] = {m: flood_summary(*pairs[m], args) for m in MODES}
     tenants = [new_tenant(admin, f"w{i}-{w:g}", w) for i, w in enumerate(args.weights)]
     everyone += tenants
     results["weighted"] = await weighted(url, "fair", tenants, args)
@@ -396,6 +417,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--backlog", type=int, default=8, help="open streams of each weighted tenant"
+    )
+    parser.add_argument(
+        "--flood-tokens",
+        type=int,
+        default=32,
+        help="max_tokens of the flood's and the weighted tenants' requests",
+    )
+    parser.add_argument(
+        "--reps", type=int, default=2, help="flood windows on each deployment, interleaved"
     )
     parser.add_argument("--slots", type=int, default=4, help="slots of each deployment's replica")
     parser.add_argument(
