@@ -1,7 +1,9 @@
 """The generation core: what a chat (or a completion) turns into, and how the engine's
 chunks turn back into text, tool calls or JSON. Every HTTP API is a thin adapter over it.
 
-Interface changes since first published: none.
+Interface changes since first published (4a18c88): additions only,
+``Generation.tool_calls`` (whether the answer is read for calls) and
+``Generation.usage()``.
 
 Layering: this package sits under ``server/`` and over ``gateway/``. It imports no
 web framework and no ``tokenmill.server`` module; an API adapter imports it, never the

@@ -21,10 +21,11 @@ from pydantic import (
     model_validator,
 )
 
+from tokenmill.chat import Turn
 from tokenmill.engines.base import ChatMessage, SamplingParams
+from tokenmill.server.openai.structured import StructuredFields
+from tokenmill.server.openai.tools import MessageToolCall, ToolCall, ToolCallDelta, ToolFields
 from tokenmill.server.refused import RefusedFields
-from tokenmill.server.structured import StructuredFields
-from tokenmill.server.tool_protocol import MessageToolCall, ToolCall, ToolCallDelta, ToolFields
 
 # A stop list longer than this is almost certainly a client bug, and each stop string
 # is checked on every token.
@@ -97,6 +98,17 @@ class Message(BaseModel):
             text = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         return ChatMessage(role=role, content=text)
+
+    def to_turn(self) -> Turn:
+        """The message as the generation core's turn, its calls included."""
+        plain = self.to_chat_message()
+        return Turn(
+            role="system" if self.role == "developer" else self.role,
+            content=plain.content,
+            tool_calls=tuple(c.call_made() for c in self.tool_calls or ()),
+            tool_call_id=self.tool_call_id,
+            name=self.name,
+        )
 
 
 class SamplingFields(StructuredFields, RefusedFields):
