@@ -16,8 +16,8 @@ from tokenmill.gateway.metering import Caller
 from tokenmill.ledger.base import Account as LedgerAccount
 from tokenmill.ledger.base import KeyInfo, Receipt
 from tokenmill.ledger.sql import SqlLedger
-from tokenmill.server.openai.protocol import Int
 from tokenmill.server.openapi import errors, json_body, link
+from tokenmill.server.protocol import Int
 from tokenmill.server.routes import parse
 
 router = APIRouter()

@@ -41,8 +41,8 @@ from tokenmill.server.errors import (
     handle_tokenmill_error,
     handle_unexpected,
 )
-from tokenmill.server.openai.protocol import Health, HealthDetail
 from tokenmill.server.openapi import document, json_response
+from tokenmill.server.protocol import Health, HealthDetail
 from tokenmill.server.routes import router
 
 log = logging.getLogger("tokenmill.server")

@@ -22,7 +22,7 @@ from tokenmill.gateway import embeddings as gateway_embeddings
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.metering import Caller
-from tokenmill.server.openai.protocol import TokenId, _integral
+from tokenmill.server.protocol import TokenId, _integral
 
 # OpenAI's limit on inputs per request.
 MAX_INPUTS = 2048

@@ -15,7 +15,7 @@ from tokenmill.errors import (
     PayloadTooLargeError,
     TokenmillError,
 )
-from tokenmill.server.openai.protocol import error_param
+from tokenmill.server.protocol import error_param
 from tokenmill.server.refused import UNSUPPORTED
 
 log = logging.getLogger("tokenmill.server")

@@ -23,7 +23,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from tokenmill.server.auth import needs_api_key
-from tokenmill.server.openai.protocol import ErrorBody
+from tokenmill.server.protocol import ErrorBody
 
 _REF = "#/components/schemas/{model}"
 # An SSE stream of this API ends with this event, which is not JSON.

@@ -27,13 +27,9 @@ from tokenmill.server.openai.protocol import (
     Completion,
     CompletionChunk,
     CompletionRequest,
-    DeploymentInfo,
-    DeploymentList,
     DetokenizeBody,
     Detokenized,
     Message,
-    ModelCard,
-    ModelList,
     PredictRequest,
     SamplingFields,
     TokenizeBody,
@@ -50,6 +46,7 @@ from tokenmill.server.openapi import (
     json_response,
     schema_of,
 )
+from tokenmill.server.protocol import DeploymentInfo, DeploymentList, ModelCard, ModelList
 from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
 
 router = APIRouter()

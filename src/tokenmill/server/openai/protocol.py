@@ -13,7 +13,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -25,6 +24,12 @@ from tokenmill.chat import Turn
 from tokenmill.engines.base import ChatMessage, SamplingParams
 from tokenmill.server.openai.structured import StructuredFields
 from tokenmill.server.openai.tools import MessageToolCall, ToolCall, ToolCallDelta, ToolFields
+from tokenmill.server.protocol import (
+    Int,
+    Number,
+    TokenId,
+    _Response,
+)
 from tokenmill.server.refused import RefusedFields
 
 # A stop list longer than this is almost certainly a client bug, and each stop string
@@ -43,18 +48,7 @@ MAX_LOGIT_BIAS_TOKENS = 300
 # Alternatives reported per token (OpenAI's chat limit; each costs a sort per token).
 MAX_TOP_LOGPROBS = 20
 
-Number = Annotated[float, Field(allow_inf_nan=False)]
 
-
-def _integral(value: Any) -> Any:
-    # JSON has one number type: 16.0 is the integer 16 to JSON Schema (and to a Python
-    # client that computed it), while 16.5, "16" and true are still refused.
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_integral)]
 TopLogprobs = Annotated[Int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
@@ -259,8 +253,6 @@ class ChatCompletionRequest(ToolFields, ChatLogprobFields):
         return self
 
 
-# Strict: JSON's true is no token id (lax pydantic would read it as 1).
-TokenId = Annotated[int, BeforeValidator(_integral), Field(ge=0, strict=True)]
 # A prompt given as token ids: at least one (the schema says so too).
 TOKEN_IDS_SCHEMA: dict[str, Any] = {
     "type": "array",
@@ -408,44 +400,12 @@ class DetokenizeBody(BaseModel):
     tokens: list[TokenId]
 
 
-def error_param(loc: tuple[Any, ...]) -> str | None:
-    """The OpenAI ``param`` for a pydantic error location, e.g. ``messages.0.role``."""
-    parts: list[str] = []
-    for p in loc:
-        text = str(p)
-        # Union members show up in locations as type tags ("str", "list[str]").
-        if text in _TYPE_TAGS or "[" in text or text == "body":
-            continue
-        parts.append(text)
-    return ".".join(parts) if parts else None
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
-
-
 # -- responses ------------------------------------------------------------------------
 # Declared for the OpenAPI document and checked against real responses by the tests.
 # The generation routes build these shapes as dicts (one per token on the hot path);
 # ``extra="forbid"`` makes the served schema say that nothing else is sent.
 
 PublicFinishReason = Literal["stop", "length", "error", "tool_calls"]
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ErrorDetail(_Response):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(_Response):
-    """OpenAI's error body: every 4xx and 5xx, and the in-band error event of a stream."""
-
-    error: ErrorDetail
 
 
 class PromptTokensDetails(_Response):
@@ -582,59 +542,3 @@ class TokenizerInfoBody(_Response):
     pad_token: str | None = Field(description="the padding token's text")
     chat_template: str | None = Field(description="the model's own Jinja chat template")
     model_max_length: int = Field(ge=0, description="tokens a sequence may hold")
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-
-
-class ModelList(_Response):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class ReplicaInfo(BaseModel):
-    # The gateway describes itself; fields it adds later pass through.
-    model_config = ConfigDict(extra="allow")
-    index: int
-    # Where it runs: "local" (the gateway's process), "process" or "ray".
-    host: Literal["local", "process", "ray"]
-    pid: int | None
-    # On Ray: the node the replica's actor runs on.
-    node_id: str | None = None
-    node_address: str | None = None
-    state: Literal["unloaded", "loading", "ready", "restarting", "unhealthy"]
-    in_flight: int
-    queued: int
-    slots: int
-    restarts: int
-    tokens_generated: int
-    threads: int | None = None
-
-
-class DeploymentInfo(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    id: str
-    object: Literal["deployment"]
-    engine: str
-    endpoint_type: Literal["chat", "completion"]
-    in_flight: int
-    queued: int
-    replicas: list[ReplicaInfo]
-
-
-class DeploymentList(_Response):
-    object: Literal["list"]
-    data: list[DeploymentInfo]
-
-
-class Health(_Response):
-    status: Literal["ok", "loading", "draining", "failed"]
-
-
-class HealthDetail(_Response):
-    ready: bool
-    deployments: dict[str, DeploymentInfo]
