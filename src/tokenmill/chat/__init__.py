@@ -1,7 +1,7 @@
 """The generation core: what a chat (or a completion) turns into, and how the engine's
 chunks turn back into text, tool calls or JSON. Every HTTP API is a thin adapter over it.
 
-Interface changes since first published (4a18c88): additions only,
+Interface changes since first published (the package's first commit): additions only,
 ``Generation.tool_calls`` (whether the answer is read for calls) and
 ``Generation.usage()``.
 
