@@ -28,3 +28,23 @@ def test_import_tokenmill_loads_no_engine_or_cluster_library() -> None:
     loaded = set(json.loads(out))
     assert "tokenmill" in loaded
     assert not loaded & set(HEAVY), loaded & set(HEAVY)
+
+
+CORE_PROBE = """
+import json, sys
+import tokenmill.chat
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_the_generation_core_imports_no_web_framework_nor_server() -> None:
+    # The core sits under the HTTP layer: every API adapter imports it, never the
+    # other way round.
+    out = subprocess.run(
+        [sys.executable, "-c", CORE_PROBE], capture_output=True, text=True, check=True
+    ).stdout
+    loaded = set(json.loads(out))
+    assert "tokenmill.chat.generation" in loaded
+    above = {m for m in loaded if m.split(".")[0] in ("fastapi", "starlette", "uvicorn")}
+    above |= {m for m in loaded if m.startswith("tokenmill.server")}
+    assert not above, above

@@ -11,7 +11,11 @@ import pytest
 
 from tests.conftest import ServerProcess
 from tests.server.test_bad_input import assert_error
-from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest, PredictRequest
+from tokenmill.server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PredictRequest,
+)
 from tokenmill.server.refused import NO_OPS, REFUSED
 
 HI = [{"role": "user", "content": "hi"}]

@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenmill.server.toolcalls import (
+from tokenmill.chat.toolcalls import (
     ArgumentsDelta,
     CallOpened,
     ContentDelta,

@@ -13,9 +13,9 @@ import pytest
 
 from tests.conftest import ServerProcess
 from tests.sse import to_done
-from tokenmill.server.protocol import ChatCompletion, ChatCompletionChunk
-from tokenmill.server.tool_protocol import Tool
-from tokenmill.server.tools import describe_tools
+from tokenmill.chat.tools import describe_tools
+from tokenmill.server.openai.protocol import ChatCompletion, ChatCompletionChunk
+from tokenmill.server.openai.tools import Tool
 
 CHAT = "/v1/chat/completions"
 
@@ -330,7 +330,10 @@ def test_the_tool_descriptions_are_prompt_tokens(http: httpx.Client) -> None:
     tools = [WEATHER, CONVERT]
     data = answer(http, ask("Hello!", tools=tools, max_tokens=4))
     described = describe_tools(
-        [Tool.model_validate(t) for t in tools], answer=True, parallel=True, named=None
+        [Tool.model_validate(t).function_tool() for t in tools],
+        answer=True,
+        parallel=True,
+        named=None,
     )
     r = http.post(
         "/tokenize",

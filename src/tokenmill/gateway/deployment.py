@@ -123,6 +123,7 @@ class Deployment:
         self.created = int(time.time())
         self._load_lock = asyncio.Lock()
         self._idle = _Idle()
+        self._template: tuple[str | None] | None = None  # the model's, once asked
 
     @property
     def endpoint_type(self) -> str:
@@ -171,6 +172,16 @@ class Deployment:
         replica = await self.pick()
         self.release(replica)
         return replica.host
+
+    async def chat_template(self) -> str | None:
+        """The model's own chat template (asked of a replica once: it is fixed), or
+        None where the engine renders no chat itself (an upstream server's is its own)."""
+        if self.config.engine != "llamacpp":
+            return None
+        if self._template is None:
+            host = await self.any_host()
+            self._template = ((await host.tokenizer_info()).chat_template,)
+        return self._template[0]
 
     def refresh_capacity(self) -> None:
         """Admit against the slots of the replicas that can serve right now."""

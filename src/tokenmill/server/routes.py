@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes and the deployment predict endpoints.
 
-Thin: parse and validate the body, ask ``serving`` for a generation, and send it as
-one JSON body or as server-sent events. All logic lives below this layer.
+Thin: parse and validate the body, ask the OpenAI adapter
+(:mod:`tokenmill.server.openai.serving`) for a generation, and send it as one JSON
+body or as server-sent events. All logic lives below this layer.
 """
 
 from __future__ import annotations
@@ -18,8 +19,25 @@ from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableErro
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.fairqueue import requested_priority
-from tokenmill.server import embeddings, serving
+from tokenmill.server import embeddings, tokenizing
 from tokenmill.server.errors import from_validation_error, read_body
+from tokenmill.server.openai.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChunk,
+    CompletionRequest,
+    DetokenizeBody,
+    Detokenized,
+    Message,
+    PredictRequest,
+    SamplingFields,
+    TokenizeBody,
+    Tokenized,
+    TokenizerInfoBody,
+)
+from tokenmill.server.openai.serving import OpenAIGeneration, Route, open_generation
 from tokenmill.server.openapi import (
     USAGE_LINK,
     any_of,
@@ -29,26 +47,7 @@ from tokenmill.server.openapi import (
     json_response,
     schema_of,
 )
-from tokenmill.server.protocol import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Completion,
-    CompletionChunk,
-    CompletionRequest,
-    DeploymentInfo,
-    DeploymentList,
-    DetokenizeBody,
-    Detokenized,
-    ModelCard,
-    ModelList,
-    PredictRequest,
-    SamplingFields,
-    TokenizeBody,
-    Tokenized,
-    TokenizerInfoBody,
-)
-from tokenmill.server.serving import Generation, Route, open_generation
+from tokenmill.server.protocol import DeploymentInfo, DeploymentList, ModelCard, ModelList
 from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
 
 router = APIRouter()
@@ -89,11 +88,11 @@ async def parse(request: Request, model: type[M]) -> M:
     return parsed
 
 
-async def respond(request: Request, gen: Generation, stream: bool) -> Response:
+async def respond(request: Request, gen: OpenAIGeneration, stream: bool) -> Response:
     headers = {"x-request-id": gen.request_id}
     if stream:
-        return EventStreamResponse(gen.events(), gen.stream.aclose, headers)
-    body = await run_until_disconnect(request.receive, gen.collect, gen.stream.aclose)
+        return EventStreamResponse(gen.events(), gen.aclose, headers)
+    body = await run_until_disconnect(request.receive, gen.collect, gen.aclose)
     if body is None:  # the client left; nobody reads this
         return Response(status_code=499)
     return JSONResponse(body, headers=headers)
@@ -108,7 +107,7 @@ async def _generate(
     prompt: str | None = None,
     prompt_tokens: tuple[int, ...] | None = None,
     prompts: tuple[str | tuple[int, ...], ...] | None = None,
-    messages: Any = None,
+    messages: list[Message] | None = None,
 ) -> Response:
     gw = gateway_of(request)
     # The class it asked for, at most its key's (docs/fairness.md).
@@ -190,7 +189,7 @@ async def completions(request: Request) -> Response:
 )
 async def tokenize(request: Request) -> Tokenized:
     body = await parse(request, TokenizeBody)
-    return await serving.tokenize(gateway_of(request).deployment(body.model), body)
+    return await tokenizing.tokenize(gateway_of(request).deployment(body.model), body)
 
 
 @router.post(
@@ -200,14 +199,14 @@ async def tokenize(request: Request) -> Tokenized:
 )
 async def detokenize(request: Request) -> Detokenized:
     body = await parse(request, DetokenizeBody)
-    return await serving.detokenize(gateway_of(request).deployment(body.model), body)
+    return await tokenizing.detokenize(gateway_of(request).deployment(body.model), body)
 
 
 @router.get("/tokenizer_info", responses={**errors(400, 404, 503)})
 async def tokenizer_info(request: Request, model: str | None = None) -> TokenizerInfoBody:
     # vLLM's route, where lm-evaluation-harness's remote tokenizer looks first: the
     # single deployment's unless ``?model=`` names one, as ``/tokenize`` picks it.
-    return await serving.tokenizer_info(gateway_of(request).deployment(model))
+    return await tokenizing.tokenizer_info(gateway_of(request).deployment(model))
 
 
 @router.post(

@@ -2,8 +2,9 @@
 ``tool_choice``, the ``tool_calls`` of an assistant turn, and the shapes of the calls
 that come back (whole, and as stream deltas).
 
-Imported by :mod:`tokenmill.server.protocol`, so it imports nothing of it. What the
-fields mean to generation is :mod:`tokenmill.server.tools`' business.
+Imported by :mod:`tokenmill.server.openai.protocol`, so it imports nothing of it.
+Each model says what it is to the generation core (:mod:`tokenmill.chat.request`);
+what the fields mean to generation is :mod:`tokenmill.chat.tools`' business.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from tokenmill import chat
+from tokenmill.engines.base import ToolCall as CallMade
 
 # OpenAI's rule for a function's name: the name is what the model writes, and what
 # the client dispatches on.
@@ -36,6 +40,10 @@ class Tool(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
     function: FunctionDefinition
+
+    def function_tool(self) -> chat.FunctionTool:
+        f = self.function
+        return chat.FunctionTool(f.name, f.description, f.parameters, f.strict)
 
 
 class FunctionName(BaseModel):
@@ -78,6 +86,9 @@ class MessageToolCall(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionCall
 
+    def call_made(self) -> CallMade:
+        return CallMade(self.id or "", self.function.name, self.function.arguments)
+
 
 class ToolFields(BaseModel):
     """The tool fields of a chat request. A mixin of the request models that take
@@ -98,6 +109,12 @@ class ToolFields(BaseModel):
     parallel_tool_calls: bool | None = Field(
         default=None, description="false: at most one call a turn (default: several)"
     )
+
+
+def tool_choice(choice: Literal["none", "auto", "required"] | NamedToolChoice) -> chat.ToolChoice:
+    if isinstance(choice, NamedToolChoice):
+        return chat.NamedTool(choice.function.name)
+    return choice
 
 
 # -- responses ------------------------------------------------------------------------

@@ -8,8 +8,7 @@ grammar the engine cannot compile is a 400 naming that field. A request may carr
 of them; two are a 400 (which would win is not obvious).
 
 A chat whose messages do not already ask for it gets the format in a system message
-(:func:`instruct`), as OpenAI does: a model that is never told which JSON is wanted
-still produces valid JSON under the mask, but fills it with worse values.
+(:func:`tokenmill.chat.structured.instruct`).
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from tokenmill.engines.base import ChatMessage, Constraint
+from tokenmill.engines.base import Constraint
 
-__all__ = ["ResponseFormat", "StructuredFields", "instruct"]
+__all__ = ["ResponseFormat", "StructuredFields"]
 
 
 class JsonSchemaSpec(BaseModel):
@@ -190,26 +189,3 @@ def _given(body: StructuredFields, name: str) -> bool:
     if name == "grammar":
         return bool(value)  # llama-server's clients send "" for none
     return value is not None
-
-
-def instruct(messages: tuple[ChatMessage, ...], c: Constraint) -> tuple[ChatMessage, ...]:
-    """``messages`` with the wanted JSON named in the system message, unless they name
-    it already: the schema's text for ``json_schema``, the word JSON for
-    ``json_object``. Other constraints (grammars, regexes, choices) are the caller's to
-    explain: they are no format a model knows by name."""
-    if c.kind == "json_object":
-        if any("json" in m.content.lower() for m in messages):
-            return messages
-        line = "Respond with a JSON object only."
-    elif c.kind == "json_schema":
-        schema = json.loads(c.text)
-        forms = {c.text, json.dumps(schema), json.dumps(schema, indent=2)}
-        if any(f in m.content for m in messages for f in forms):
-            return messages
-        line = f"Respond with JSON only, following this JSON schema:\n{json.dumps(schema)}"
-    else:
-        return messages
-    if messages and messages[0].role == "system":
-        first = messages[0]
-        return (ChatMessage("system", f"{first.content}\n\n{line}"), *messages[1:])
-    return (ChatMessage("system", line), *messages)

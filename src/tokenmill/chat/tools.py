@@ -3,10 +3,11 @@
 A chat template that knows tools (Hermes' markup, as Qwen's and Hermes' write it:
 ``<tool_call>{"name", "arguments"}</tool_call>``) renders the tools and the turns
 itself (:class:`~tokenmill.engines.base.ToolSpec`), and its markup is read back out
-of the text (:class:`~tokenmill.server.toolcalls.MarkupReader`); ``required`` and a
+of the text (:class:`~tokenmill.chat.toolcalls.MarkupReader`); ``required`` and a
 named function constrain the output to that markup around valid calls (a Lark
 grammar), ``auto`` leaves the model free. Which template: the request's
-``chat_template``, else the model's own (asked of a replica once per deployment).
+``chat_template``, else the model's own (the deployment's
+:meth:`~tokenmill.gateway.deployment.Deployment.chat_template`).
 
 SmolLM2's template (and many others) has no notion of tools, so for those tokenmill
 does what llama-server does (its "generic" chat format):
@@ -30,29 +31,27 @@ and the turns unchanged (:class:`~tokenmill.engines.base.ToolSpec`): that server
 calls tools its own way, and its calls come back as the chunks' ``tool_calls``.
 
 The description is part of the prompt, so its tokens are counted, held for and billed
-like the rest of it. :mod:`tokenmill.server.toolcalls` reads the calls back out of
-the output as it streams; :mod:`tokenmill.server.tool_serving` shapes them as
-OpenAI's ``tool_calls``.
+like the rest of it. :mod:`tokenmill.chat.toolcalls` reads the calls back out of
+the output as it streams; :mod:`tokenmill.chat.answers` turns them into the core's
+events, which each API shapes its own way.
 
-Refused with a 400 naming the field: ``tool_choice`` (other than ``none``/``auto``)
-without tools, or naming a tool not offered; two tools of one name; ``parameters``
-that is not an object schema; tools on a completion route; log probabilities with
-tools; ``response_format`` other than a JSON schema or object beside tools (the answer
-branch takes that schema).
+Refused with a 400 naming the field (as OpenAI's API spells it): ``tool_choice``
+(other than ``none``/``auto``) without tools, or naming a tool not offered; two tools
+of one name; ``parameters`` that is not an object schema; tools on a completion route;
+log probabilities with tools; ``response_format`` other than a JSON schema or object
+beside tools (the answer branch takes that schema).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokenmill.engines.base import ChatMessage, Constraint, ToolCall, ToolSpec
+from tokenmill.chat.request import ChatRequest, FunctionTool, NamedTool, ToolChoice, Turn
+from tokenmill.engines.base import ChatMessage, Constraint, ToolSpec
 from tokenmill.errors import InvalidRequestError
-from tokenmill.gateway.deployment import Deployment
-from tokenmill.server.protocol import Message, SamplingFields
-from tokenmill.server.tool_protocol import NamedToolChoice, Tool, ToolFields
 
 ToolOutput = Literal["text", "generic", "markup", "forwarded"]
 
@@ -80,46 +79,39 @@ class ToolPlan:
         return self.output != "text"
 
 
-def plan_tools(
-    body: SamplingFields,
-    route: str,
-    messages: Sequence[Message] | None,
-    engine: str,
-    constraint: Constraint | None,
-    template: str | None = None,
-) -> ToolPlan | None:
-    """The plan of a request, or None when it involves no tools at all. Raises
-    :class:`InvalidRequestError` (a 400 naming the field) for what cannot be served."""
-    tools: list[Tool] = []
-    choice: Any = None
-    parallel = True
-    if isinstance(body, ToolFields):
-        tools = body.tools or []
-        choice = body.tool_choice
-        parallel = body.parallel_tool_calls is not False
+def plan_tools(request: ChatRequest, engine: str, template: str | None = None) -> ToolPlan | None:
+    """The plan of a request, or None when it involves no tools at all. ``engine``:
+    the deployment's engine; ``template``: the chat template the turns are rendered
+    with, when known. Raises :class:`InvalidRequestError` (a 400 naming the field) for
+    what cannot be served."""
+    tools = list(request.tools)
+    choice = request.tool_choice
+    parallel = request.parallel_tool_calls is not False
+    messages = request.messages or ()
+    constraint = request.sampling.constraint
     _check_tools(tools, choice)
     active = bool(tools) and choice != "none"
-    history = any(m.tool_calls or m.role == "tool" for m in messages or ())
-    if active and route != "chat":
+    history = any(m.tool_calls or m.role == "tool" for m in messages)
+    if active and request.kind != "chat":
         raise InvalidRequestError(
             "tools are for chat: this request is a text completion (the deployment's "
             "endpoint_type, or the route asked for); send messages to a chat route",
             param="tools",
         )
     if engine == "upstream" and (tools or history):
-        return _forwarded(body, tools, messages or ())
+        return _forwarded(request, tools, messages)
     if not active and not history:
         return None
-    if active and body.logprob_alternatives() is not None:
+    if active and request.sampling.logprobs is not None:
         raise InvalidRequestError(
             "log probabilities are not reported beside tools; leave 'logprobs' out or "
             "send tool_choice 'none'",
             param="logprobs",
         )
     offered = tools if active else []
-    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    named = choice.name if isinstance(choice, NamedTool) else None
     if named is not None:  # one call of that function, as OpenAI makes it
-        offered = [t for t in tools if t.function.name == named]
+        offered = [t for t in tools if t.name == named]
         parallel = False
     if knows_tools(template):
         if active and constraint is not None:
@@ -130,8 +122,8 @@ def plan_tools(
                 "constraint, not both (or tool_choice 'none')",
                 param=constraint.param,
             )
-        return _templated(body, tools if active else [], messages or (), named, parallel)
-    rendered = _render(messages or ())
+        return _templated(request, tools if active else [], messages, named, parallel)
+    rendered = _render(messages)
     if not active:
         return ToolPlan(rendered, None, output="text")
     answer = None if choice == "required" or named else _answer_schema(constraint)
@@ -146,38 +138,51 @@ def plan_tools(
     )
 
 
-def _turns(messages: Sequence[Message]) -> tuple[ChatMessage, ...]:
+def plain(turn: Turn) -> ChatMessage:
+    """A turn as the engine's plain message: its role and text."""
+    return ChatMessage(turn.role, turn.content)
+
+
+def _turns(messages: Sequence[Turn]) -> tuple[ChatMessage, ...]:
     """The turns as they are, their calls and call ids included."""
     return tuple(
-        replace(
-            m.to_chat_message(),
-            tool_calls=tuple(
-                ToolCall(c.id or "", c.function.name, c.function.arguments)
-                for c in m.tool_calls or ()
-            ),
-            tool_call_id=m.tool_call_id,
-        )
+        ChatMessage(m.role, m.content, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
         for m in messages
     )
 
 
-def _spec(body: SamplingFields, tools: list[Tool]) -> ToolSpec:
-    assert isinstance(body, ToolFields)
-    choice = body.tool_choice
+def _spec(request: ChatRequest, tools: list[FunctionTool]) -> ToolSpec:
+    """The tools as an OpenAI-compatible server takes them (the engine's ToolSpec)."""
+    choice = request.tool_choice
     return ToolSpec(
-        tools=json.dumps([t.model_dump(exclude_none=True) for t in tools]),
-        choice=None
-        if choice is None
-        else json.dumps(choice if isinstance(choice, str) else choice.model_dump()),
-        parallel=body.parallel_tool_calls,
+        tools=json.dumps([_openai_tool(t) for t in tools]),
+        choice=None if choice is None else json.dumps(_openai_choice(choice)),
+        parallel=request.parallel_tool_calls,
     )
 
 
-def _forwarded(body: SamplingFields, tools: list[Tool], messages: Sequence[Message]) -> ToolPlan:
+def _openai_tool(tool: FunctionTool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    for key in ("description", "parameters", "strict"):
+        value = getattr(tool, key)
+        if value is not None:
+            function[key] = value
+    return {"type": "function", "function": function}
+
+
+def _openai_choice(choice: ToolChoice) -> Any:
+    if isinstance(choice, NamedTool):
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice
+
+
+def _forwarded(
+    request: ChatRequest, tools: list[FunctionTool], messages: Sequence[Turn]
+) -> ToolPlan:
     """For a server that calls tools itself: the fields and the turns as they are."""
     if not tools:
         return ToolPlan(_turns(messages), None, output="text")
-    return ToolPlan(_turns(messages), None, output="forwarded", spec=_spec(body, tools))
+    return ToolPlan(_turns(messages), None, output="forwarded", spec=_spec(request, tools))
 
 
 # How a template that knows tools writes a call: Hermes' markup (Qwen 2.5 and 3,
@@ -191,9 +196,9 @@ def knows_tools(template: str | None) -> bool:
 
 
 def _templated(
-    body: SamplingFields,
-    tools: list[Tool],
-    messages: Sequence[Message],
+    request: ChatRequest,
+    tools: list[FunctionTool],
+    messages: Sequence[Turn],
     named: str | None,
     parallel: bool,
 ) -> ToolPlan:
@@ -202,15 +207,14 @@ def _templated(
     to that markup around valid calls; ``auto`` leaves the model free to call."""
     if not tools:
         return ToolPlan(_turns(messages), None, output="text")
-    assert isinstance(body, ToolFields)
     constraint = None
-    if body.tool_choice == "required" or named is not None:
-        offered = [t for t in tools if named is None or t.function.name == named]
+    if request.tool_choice == "required" or named is not None:
+        offered = [t for t in tools if named is None or t.name == named]
         constraint = Constraint("lark", markup_grammar(offered, parallel), param="tools")
-    return ToolPlan(_turns(messages), constraint, output="markup", spec=_spec(body, tools))
+    return ToolPlan(_turns(messages), constraint, output="markup", spec=_spec(request, tools))
 
 
-def markup_grammar(tools: Sequence[Tool], parallel: bool) -> str:
+def markup_grammar(tools: Sequence[FunctionTool], parallel: bool) -> str:
     """A Lark grammar (llguidance's) of one or more calls in Hermes' markup."""
     calls = generic_schema(tools, answer=None, parallel=True)["properties"]["tool_calls"]
     call = {
@@ -229,26 +233,12 @@ def markup_grammar(tools: Sequence[Tool], parallel: bool) -> str:
     )
 
 
-async def chat_template(body: SamplingFields, deployment: Deployment) -> str | None:
-    """The template a chat with tools is rendered with, when the server must know it
-    (does it know tools?): the request's own, else the model's (asked once)."""
-    if not (isinstance(body, ToolFields) and body.tools):
-        return None
-    if body.chat_template is not None:
-        return body.chat_template
-    if deployment.config.engine != "llamacpp":
-        return None
-    if deployment.id not in _TEMPLATES:
-        host = await deployment.any_host()
-        _TEMPLATES[deployment.id] = (await host.tokenizer_info()).chat_template
-    return _TEMPLATES[deployment.id]
+def template_needed(request: ChatRequest) -> bool:
+    """Whether serving ``request`` depends on its chat template (does it know tools?)."""
+    return request.kind == "chat" and bool(request.tools)
 
 
-# Each deployment's own chat template, by deployment id: its model's, fixed.
-_TEMPLATES: dict[str, str | None] = {}
-
-
-def _check_tools(tools: list[Tool], choice: Any) -> None:
+def _check_tools(tools: list[FunctionTool], choice: ToolChoice | None) -> None:
     if not tools and choice not in (None, "none", "auto"):
         raise InvalidRequestError(
             "tool_choice asks for a tool call but no tools are given; send 'tools' or "
@@ -257,14 +247,14 @@ def _check_tools(tools: list[Tool], choice: Any) -> None:
         )
     seen: set[str] = set()
     for i, tool in enumerate(tools):
-        name = tool.function.name
+        name = tool.name
         if name in seen:
             raise InvalidRequestError(
                 f"two tools are named {name!r}; a call names its tool, so names must differ",
                 param=f"tools.{i}.function.name",
             )
         seen.add(name)
-        params = tool.function.parameters
+        params = tool.parameters
         if params and params.get("type", "object") != "object":
             raise InvalidRequestError(
                 f"the parameters of {name!r} are a schema of type {params['type']!r}; "
@@ -272,10 +262,10 @@ def _check_tools(tools: list[Tool], choice: Any) -> None:
                 '({"type": "object", "properties": {...}})',
                 param=f"tools.{i}.function.parameters",
             )
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
+    if isinstance(choice, NamedTool) and choice.name not in seen:
         offered = ", ".join(sorted(seen))
         raise InvalidRequestError(
-            f"tool_choice names {choice.function.name!r}, which is not among the tools "
+            f"tool_choice names {choice.name!r}, which is not among the tools "
             f"({offered}); name one of them",
             param="tool_choice",
         )
@@ -298,10 +288,10 @@ def _answer_schema(constraint: Constraint | None) -> dict[str, Any]:
     )
 
 
-def arguments_schema(tool: Tool) -> dict[str, Any]:
+def arguments_schema(tool: FunctionTool) -> dict[str, Any]:
     """A tool's ``parameters``, with no properties beyond those it declares (a small
     model otherwise invents some) unless it says otherwise."""
-    params = tool.function.parameters
+    params = tool.parameters
     if not params:
         return NO_ARGUMENTS
     if "additionalProperties" in params or "properties" not in params:
@@ -310,7 +300,7 @@ def arguments_schema(tool: Tool) -> dict[str, Any]:
 
 
 def generic_schema(
-    tools: Sequence[Tool], *, answer: dict[str, Any] | None, parallel: bool
+    tools: Sequence[FunctionTool], *, answer: dict[str, Any] | None, parallel: bool
 ) -> dict[str, Any]:
     """The JSON Schema of the generic format: calls of ``tools`` (one, unless
     ``parallel``) or, with an ``answer`` schema, an answer."""
@@ -318,7 +308,7 @@ def generic_schema(
         {
             "type": "object",
             "properties": {
-                "name": {"type": "string", "const": t.function.name},
+                "name": {"type": "string", "const": t.name},
                 "arguments": arguments_schema(t),
             },
             "required": ["name", "arguments"],
@@ -348,7 +338,7 @@ def generic_schema(
 
 
 def describe_tools(
-    tools: Sequence[Tool],
+    tools: Sequence[FunctionTool],
     *,
     answer: bool,
     parallel: bool,
@@ -360,9 +350,9 @@ def describe_tools(
     lines = [
         json.dumps(
             {
-                "name": t.function.name,
-                "description": t.function.description or "",
-                "parameters": t.function.parameters or NO_ARGUMENTS,
+                "name": t.name,
+                "description": t.description or "",
+                "parameters": t.parameters or NO_ARGUMENTS,
             },
             ensure_ascii=False,
         )
@@ -398,7 +388,7 @@ def _with_system(messages: tuple[ChatMessage, ...], text: str) -> tuple[ChatMess
     return (ChatMessage("system", text), *messages)
 
 
-def _render(messages: Sequence[Message]) -> tuple[ChatMessage, ...]:
+def _render(messages: Sequence[Turn]) -> tuple[ChatMessage, ...]:
     """The conversation as plain turns: calls as the generic format's JSON, results as
     a user turn (consecutive results share one)."""
     names: dict[str, str] = {}  # tool_call_id -> the tool it called
@@ -411,12 +401,12 @@ def _render(messages: Sequence[Message]) -> tuple[ChatMessage, ...]:
             results.clear()
 
     for m in messages:
-        plain = m.to_chat_message()
+        text = m.content
         if m.role == "tool":
             result: dict[str, Any] = {"name": m.name or names.get(m.tool_call_id or "", "")}
             if m.tool_call_id:
                 result["tool_call_id"] = m.tool_call_id
-            result["content"] = plain.content
+            result["content"] = text
             results.append(json.dumps({"tool_response": result}, ensure_ascii=False))
             continue
         end_results()
@@ -424,15 +414,13 @@ def _render(messages: Sequence[Message]) -> tuple[ChatMessage, ...]:
             calls = []
             for call in m.tool_calls:
                 if call.id:
-                    names[call.id] = call.function.name
-                calls.append(
-                    {"name": call.function.name, "arguments": _json(call.function.arguments)}
-                )
-            text = json.dumps({"tool_calls": calls}, ensure_ascii=False)
-            content = f"{plain.content}\n{text}" if plain.content else text
+                    names[call.id] = call.name
+                calls.append({"name": call.name, "arguments": _json(call.arguments)})
+            written = json.dumps({"tool_calls": calls}, ensure_ascii=False)
+            content = f"{text}\n{written}" if text else written
             out.append(ChatMessage("assistant", content))
         else:
-            out.append(plain)
+            out.append(plain(m))
     end_results()
     return tuple(out)
 

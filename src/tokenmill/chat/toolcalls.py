@@ -1,7 +1,7 @@
 """Reading tool calls out of a model's JSON as it is generated, a piece at a time.
 
 A model without a tool format of its own answers in the generic format
-(:mod:`tokenmill.server.tools`), one JSON object, either::
+(:mod:`tokenmill.chat.tools`), one JSON object, either::
 
     {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]}
 

@@ -1,0 +1,168 @@
+"""One generation through the gateway, read back as neutral events.
+
+:func:`open_generation` turns a :class:`~tokenmill.chat.request.ChatRequest` into
+the engine's :class:`~tokenmill.engines.base.GenerationRequest` (the turns rendered,
+the tools described or handed to the template, the constraint set, the schema put in
+the prompt) and opens it through the gateway; :class:`Generation` reads its chunks
+back as :mod:`tokenmill.chat.events`, one answer a choice
+(:mod:`tokenmill.chat.answers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from tokenmill.chat.answers import Answer, CallingAnswer, TextAnswer, ToolOutput
+from tokenmill.chat.events import (
+    ChoiceEnd,
+    ChoiceResult,
+    Event,
+    Finished,
+    FinishReason,
+    Result,
+    TextDelta,
+    ToolCallEnd,
+)
+from tokenmill.chat.request import ChatRequest, Turn
+from tokenmill.chat.structured import instruct
+from tokenmill.chat.tools import plain, plan_tools, template_needed
+from tokenmill.engines.base import ChatMessage, GenerationRequest, TokenLogprob, ToolCall, Usage
+from tokenmill.gateway.core import Gateway, RequestStream
+from tokenmill.gateway.deployment import Deployment
+from tokenmill.gateway.metering import Caller
+
+__all__ = ["Generation", "open_generation"]
+
+
+class Generation:
+    """An open generation: iterate :meth:`events` or await :meth:`collect`, once;
+    :meth:`aclose` always (it settles the bill, and is safe to call twice)."""
+
+    def __init__(self, stream: RequestStream, output: ToolOutput = "text") -> None:
+        self.stream = stream
+        self._output = output
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id
+
+    @property
+    def choices(self) -> int:
+        """How many choices: ``n`` for each prompt."""
+        return self.stream.request.choices
+
+    @property
+    def tool_calls(self) -> bool:
+        """Whether the answer is read for tool calls (tools were offered and may be
+        called); log probabilities are then not reported."""
+        return self._output != "text"
+
+    def _answers(self) -> dict[int, Answer]:
+        echo = self.stream.request.sampling.echo
+        if self.tool_calls:
+            return {i: CallingAnswer.reading(i, self._output) for i in range(self.choices)}
+        return {i: TextAnswer(i, prompt=echo) for i in range(self.choices)}
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The events of every choice, then :class:`Finished` (see
+        :mod:`tokenmill.chat.events`). An error after the stream began is raised."""
+        answers = self._answers()
+        async for chunk in self.stream:
+            index = chunk.index
+            answer = answers[index]
+            events, ends = answer.take(chunk)
+            for event in events:
+                yield event
+            if not ends:
+                continue
+            if chunk.choice_finish is not None:
+                for event in answer.end(chunk.choice_finish):
+                    yield event
+            if chunk.finish_reason is not None:
+                # The request's end: its last choice's, and any still open (an abort).
+                for i in [index, *(i for i in answers if i != index)]:
+                    if not answers[i].finished:
+                        for event in answers[i].end(chunk.finish_reason):
+                            yield event
+        yield Finished(self.usage())
+
+    def usage(self) -> Usage:
+        """The request's usage: the engine's count once it ended, else the prompt's."""
+        return self.stream.usage or Usage(self.stream.prompt_tokens, 0)
+
+    async def collect(self) -> Result:
+        """Every choice, whole."""
+        texts: dict[int, list[str]] = {i: [] for i in range(self.choices)}
+        tokens: dict[int, list[TokenLogprob]] = {i: [] for i in range(self.choices)}
+        calls: dict[int, list[ToolCall]] = {i: [] for i in range(self.choices)}
+        reasons: dict[int, FinishReason] = {}
+        usage = Usage(0, 0)
+        async for e in self.events():
+            if isinstance(e, TextDelta):
+                texts[e.choice].append(e.text)
+                tokens[e.choice].extend(e.logprobs)
+            elif isinstance(e, ToolCallEnd):
+                calls[e.choice].append(ToolCall(e.id, e.name, e.arguments))
+            elif isinstance(e, ChoiceEnd):
+                reasons[e.choice] = e.reason
+            elif isinstance(e, Finished):
+                usage = e.usage
+        choices = tuple(
+            ChoiceResult(
+                text="".join(texts[i]),
+                tool_calls=tuple(calls[i]),
+                logprobs=tuple(tokens[i]),
+                reason=reasons.get(i, "stop"),
+            )
+            for i in range(self.choices)
+        )
+        return Result(choices, usage)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def open_generation(
+    gateway: Gateway,
+    deployment: Deployment,
+    request: ChatRequest,
+    request_id: str,
+    caller: Caller,
+) -> Generation:
+    """Check, build and open the engine request (may raise: a 400 naming the field,
+    or whatever the gateway refuses with before streaming)."""
+    if request.kind == "chat" and request.messages is None:
+        assert request.prompt is not None, "a chat has messages or a prompt"
+        request = replace(request, messages=(Turn("user", request.prompt),), prompt=None)
+    template = None  # the template the turns are rendered with, where tools need it
+    if template_needed(request):
+        template = request.chat_template
+        if template is None:
+            template = await deployment.chat_template()
+    sampling = request.sampling
+    plan = plan_tools(request, deployment.config.engine, template)
+    chat: tuple[ChatMessage, ...] | None = None
+    if plan is not None:
+        chat = plan.messages
+        if plan.constraint is not None:  # the tool format, the answer branch included
+            sampling = replace(sampling, constraint=plan.constraint)
+        elif sampling.constraint is not None:
+            chat = instruct(chat, sampling.constraint)
+    elif request.messages is not None:
+        chat = tuple(plain(m) for m in request.messages)
+        if sampling.constraint is not None:
+            chat = instruct(chat, sampling.constraint)
+    engine_request = GenerationRequest(
+        request_id=request_id,
+        sampling=sampling,
+        prompt=request.prompt,
+        prompt_tokens=request.prompt_tokens,
+        prompts=request.prompts,
+        messages=chat,
+        chat_template=request.chat_template,
+        n=request.n,
+        tools=None if plan is None else plan.spec,
+    )
+    stream = await gateway.open(deployment, engine_request, caller)
+    return Generation(stream, "text" if plan is None else plan.output)
