@@ -213,6 +213,39 @@ def test_bad_ray_keys(tmp_path: Path, keys: str, expect: str) -> None:
     assert expect in config_error(tmp_path, one(keys))
 
 
+# -- replica pools ----------------------------------------------------------------
+
+
+def test_a_pool_on_ray_round_trips_and_defaults_to_none(tmp_path: Path) -> None:
+    (dep,) = load_toml(tmp_path, one('placement = "ray"\npool = "smollm2-pool"')).deployments
+    assert isinstance(dep, LlamaCppDeployment) and dep.pool == "smollm2-pool"
+    assert parse_section(dep.model_dump(mode="json")) == dep
+    scripted = 'engine = "scripted"\ncontrol = "/tmp/x.sock"\nplacement = "ray"\npool = "p"'
+    (dep,) = load_toml(tmp_path, one(scripted)).deployments
+    assert isinstance(dep, ScriptedDeployment) and dep.pool == "p"
+    (dep,) = load_toml(tmp_path, one('placement = "ray"')).deployments
+    assert isinstance(dep, LlamaCppDeployment) and dep.pool is None
+
+
+@pytest.mark.parametrize(
+    ("keys", "expect"),
+    [
+        ('pool = "p"', "deployments.0.pool: 'pool' needs placement = \"ray\" (this deployment's"),
+        ('placement = "local"\npool = "p"', "placement is 'local'"),
+        (
+            'placement = "ray"\npool = "p"\nidle_unload_s = 60',
+            "deployments.0.pool: a pool's replicas are not unloaded when idle",
+        ),
+        ('placement = "ray"\npool = "a/b"', "deployments.0.pool: String should match pattern"),
+        ('placement = "ray"\npool = ""', "deployments.0.pool"),
+        ('engine = "upstream"\nurl = "' + NOWHERE + '"\npool = "p"', "not upstream"),
+    ],
+    ids=["process", "local", "idle-unload", "slash", "empty", "upstream"],
+)
+def test_bad_pool_keys(tmp_path: Path, keys: str, expect: str) -> None:
+    assert expect in config_error(tmp_path, one(keys))
+
+
 def test_ray_address_from_file_environment_and_flag(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -100,6 +100,8 @@ class DeploymentCommon(BaseModel):
 
 
 Placement = Literal["process", "local", "ray"]
+# A pool's name: its replicas are the Ray actors "<pool>/<index>" (tokenmill.gateway.pool).
+POOL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class ReplicatedDeployment(DeploymentCommon):
@@ -125,6 +127,10 @@ class ReplicatedDeployment(DeploymentCommon):
     # but also to every other busy process, which starves the model on a shared host
     # (10 here: 1.4 tok/s beside two busy loops, against 12.6 at 0).
     replica_nice: int = Field(default=0, ge=0, le=19)
+    # placement = "ray" only: the replicas are the named Ray actors of this pool, shared
+    # by every gateway (or Serve cell) that names it, created by the first one to need
+    # each (tokenmill.gateway.pool; docs/pools.md).
+    pool: str | None = Field(default=None, pattern=POOL_NAME_PATTERN, max_length=64)
 
     def ray_cpus(self) -> float:
         """The CPUs a replica's Ray actor reserves."""
@@ -152,6 +158,26 @@ class ReplicatedDeployment(DeploymentCommon):
                 "drop 'isolated'"
             )
         return data
+
+    @field_validator("pool")
+    @classmethod
+    def _pool_on_ray(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # A field validator, so the message names the key; placement and idle_unload_s
+        # come before it, so they are known here (unless they were bad).
+        if v is None:
+            return v
+        placement = info.data.get("placement")
+        if placement is not None and placement != "ray":
+            raise ValueError(
+                f"'pool' needs placement = \"ray\" (this deployment's placement is "
+                f"{placement!r}): a pool's replicas are Ray actors that gateways share"
+            )
+        if info.data.get("idle_unload_s") is not None:
+            raise ValueError(
+                "a pool's replicas are not unloaded when idle (other gateways may be "
+                "using them): drop idle_unload_s, or stop the pool with 'tokenmill pool stop'"
+            )
+        return v
 
     @field_validator("ray_num_cpus", "ray_resources")
     @classmethod
