@@ -116,9 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extensions() -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]:
-    """Subcommands defined next to the code they drive (client, ledger, bench)."""
+    """Subcommands defined next to the code they drive (client, ledger, pools, bench)."""
     found = []
-    for module_name in ("tokenmill.client.cli", "tokenmill.ledger.cli", "tokenmill.bench"):
+    for module_name in (
+        "tokenmill.client.cli",
+        "tokenmill.ledger.cli",
+        "tokenmill.gateway.pool_cli",
+        "tokenmill.bench",
+    ):
         try:
             module = __import__(module_name, fromlist=["register"])
         except ModuleNotFoundError as e:

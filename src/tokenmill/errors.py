@@ -10,6 +10,8 @@
     ├── PayloadTooLargeError             413
     ├── ClientGoneError                  499 (the client left mid-request: nobody reads it)
     ├── OverloadedError                  429 (carries retry_after seconds)
+    │   └── ReplicaFullError             429 (a shared replica's slots are all taken:
+    │                                         the gateway tries another, or waits)
     ├── EngineError                      502 (a replica failed mid-request)
     └── UnavailableError                 503 (loading, shutting down, no replica)
 
@@ -113,6 +115,14 @@ class OverloadedError(TokenmillError):
 
     def headers(self) -> dict[str, str]:
         return retry_after_header(self.retry_after)
+
+
+class ReplicaFullError(OverloadedError):
+    """A pool's replica refused a request because other gateways hold all its slots.
+    The gateway places the request elsewhere or waits for a slot; a caller sees it only
+    as its queue timing out."""
+
+    default_code = "replica_full"
 
 
 class EngineError(TokenmillError):

@@ -5,6 +5,12 @@ A :class:`Deployment` is a named model (the ``model`` clients send) with one or 
 (the engine in this process, in a supervised child process, or in a Ray actor).
 Requests are admitted against the deployment's total slots and routed to the ready
 replica with the fewest outstanding requests.
+
+A deployment of a pool (``pool = "..."``, :mod:`tokenmill.gateway.pool`) shares its
+replicas with other gateways, so its admission's slots are an upper bound, not a
+promise: a replica whose slots other gateways hold refuses at ``prepare``, and
+:meth:`Deployment.place` tries the others, then waits for one to report a free slot
+(up to ``queue_timeout_s``).
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import DeploymentConfig, ReplicatedDeployment
 from tokenmill.engines import create_engine
-from tokenmill.errors import UnavailableError
+from tokenmill.engines.base import GenerationRequest, PromptInfo
+from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
 from tokenmill.gateway.hosts import ADMITTING, LocalHost, ReplicaHost, ReplicaState
 from tokenmill.gateway.process import ProcessLauncher
@@ -30,8 +38,16 @@ log = logging.getLogger("tokenmill.gateway")
 class Replica:
     """One replica of a deployment: its host, and the gateway's routing counters."""
 
-    def __init__(self, deployment_id: str, index: int, host: ReplicaHost, slots: int) -> None:
+    def __init__(
+        self,
+        deployment_id: str,
+        index: int,
+        host: ReplicaHost,
+        slots: int,
+        pool: str | None = None,
+    ) -> None:
         self.deployment_id = deployment_id
+        self.pool = pool
         self.index = index
         self.host = host
         self.slots = slots
@@ -44,6 +60,10 @@ class Replica:
 
     def serving(self) -> bool:
         return self.host.state == "ready"
+
+    def looks_full(self, weight: int) -> bool:
+        """A shared replica's last report leaves no room for ``weight`` slots."""
+        return self.slots - self.host.health().running < weight
 
     def available(self) -> bool:
         """Counts toward the deployment's capacity: serving, or loads on demand."""
@@ -67,16 +87,28 @@ class Replica:
         if self.host.kind == "ray":
             out["node_id"] = where.node_id
             out["node_address"] = where.node_address
+            if where.actor_id is not None:
+                out["actor_id"] = where.actor_id
+        if self.pool is not None:  # shared: its own count of slots taken, by any gateway
+            out["pool"] = self.pool
+            out["running"] = h.running
         return out
 
 
-def build_host(config: DeploymentConfig, *, ray_address: str | None = None) -> ReplicaHost:
-    """The host of one replica of ``config``: where its engine runs is its placement
-    (a Ray placement joins the cluster at ``ray_address``, or starts a local one)."""
+def build_host(
+    config: DeploymentConfig, *, ray_address: str | None = None, index: int = 0
+) -> ReplicaHost:
+    """The host of replica ``index`` of ``config``: where its engine runs is its
+    placement (a Ray placement joins the cluster at ``ray_address``, or starts a local
+    one; in a pool, replica ``index`` is the pool's actor of that index)."""
     if not isinstance(config, ReplicatedDeployment) or config.placement == "local":
         return LocalHost(create_engine(config))
     launcher: Launcher
-    if config.placement == "ray":
+    if config.pool is not None:
+        from tokenmill.gateway.pool import PoolLauncher
+
+        launcher = PoolLauncher(config, index, ray_address)
+    elif config.placement == "ray":
         from tokenmill.gateway.rayhost import RayLauncher
 
         launcher = RayLauncher(config, ray_address)
@@ -108,9 +140,10 @@ class Deployment:
         self.id = config.id
         if hosts is None:
             n = getattr(config, "replicas", 1)
-            hosts = [build_host(config, ray_address=ray_address) for _ in range(n)]
+            hosts = [build_host(config, ray_address=ray_address, index=i) for i in range(n)]
         slots = config.max_num_seqs
-        self.replicas = [Replica(self.id, i, h, slots) for i, h in enumerate(hosts)]
+        self.pool: str | None = getattr(config, "pool", None)
+        self.replicas = [Replica(self.id, i, h, slots, self.pool) for i, h in enumerate(hosts)]
         self.admission = Admission(
             capacity=sum(r.slots for r in self.replicas),
             max_queue=config.max_queue,
@@ -118,8 +151,13 @@ class Deployment:
             fair=config.admission == "fair",
             promote_after_s=config.promote_after_s,
         )
+        # Woken (and replaced) whenever a slot may have come free: a request waiting
+        # for a pool's replica then tries again.
+        self._room = asyncio.Event()
         for replica in self.replicas:
             replica.host.on_change(self.refresh_capacity)
+            if isinstance(replica.host, SupervisedHost):
+                replica.host.on_status(self._wake)
         self.created = int(time.time())
         self._load_lock = asyncio.Lock()
         self._idle = _Idle()
@@ -140,9 +178,10 @@ class Deployment:
             self._idle.task.cancel()
         await asyncio.gather(*(r.host.close() for r in self.replicas), return_exceptions=True)
 
-    async def pick(self, weight: int = 1) -> Replica:
+    async def pick(self, weight: int = 1, avoid: Collection[Replica] = ()) -> Replica:
         """The ready replica with the fewest busy slots (loading it if idle); one with
-        ``weight`` slots free (a request's choices run on one replica) if any has."""
+        ``weight`` slots free (a request's choices run on one replica) if any has; one
+        not in ``avoid`` (refused the request: full) if any is ready."""
         ready = [r for r in self.replicas if r.serving()]
         if not ready:
             if all(r.state == "unloaded" for r in self.replicas):
@@ -159,10 +198,55 @@ class Deployment:
                 raise UnavailableError(
                     f"deployment {self.id!r} has no ready replica ({states}); retry shortly"
                 )
+        ready = [r for r in ready if r not in avoid] or ready
         best = min(ready, key=lambda r: (r.slots - r.in_flight < weight, r.in_flight, r.last_used))
         best.in_flight += weight
         best.last_used = time.monotonic()
         return best
+
+    async def place(
+        self, request: GenerationRequest, weight: int = 1
+    ) -> tuple[Replica, PromptInfo]:
+        """Pick a replica and prepare ``request`` on it: the replica, counted busy, and
+        the prompt's size. A pool's replica that is full (other gateways hold its slots)
+        refuses at once: the others are tried, then, all full, the request waits for a
+        replica to report a free slot, up to ``queue_timeout_s`` (then 429)."""
+        refused: set[Replica] = set()
+        deadline: float | None = None
+        while True:
+            room = self._room  # set by any report or release from now on
+            if refused and not any(r.serving() and r not in refused for r in self.replicas):
+                if deadline is None:
+                    deadline = time.monotonic() + self.config.queue_timeout_s
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OverloadedError(
+                        f"every replica of pool {self.pool!r} stayed full for "
+                        f"{self.config.queue_timeout_s:g}s (gateways sharing it hold their "
+                        "slots); retry later",
+                        retry_after=self.admission.retry_after(),
+                        code="queue_timeout",
+                    )
+                try:
+                    await asyncio.wait_for(room.wait(), left)
+                except TimeoutError:
+                    continue
+                refused = {r for r in refused if r.serving() and r.looks_full(weight)}
+                if len(refused) == len([r for r in self.replicas if r.serving()]):
+                    continue  # nothing reports room yet
+            replica = await self.pick(weight, avoid=refused)
+            try:
+                return replica, await replica.host.prepare(request)
+            except ReplicaFullError:
+                self.release(replica, weight)
+                refused.add(replica)
+            except BaseException:
+                self.release(replica, weight)
+                raise
+
+    def _wake(self) -> None:
+        self._room.set()
+        self._room = asyncio.Event()
 
     async def any_host(self) -> ReplicaHost:
         """A serving replica, for work outside admission (tokenizing).
@@ -189,10 +273,13 @@ class Deployment:
         if capacity != self.admission.capacity:
             log.info("deployment %s: capacity %d slots", self.id, capacity)
             self.admission.resize(capacity)
+        self._wake()
 
     def release(self, replica: Replica, weight: int = 1) -> None:
         replica.in_flight -= weight
         replica.last_used = time.monotonic()
+        if self.pool is not None:
+            self._wake()
 
     async def _unload_idle(self) -> None:
         limit = self.config.idle_unload_s

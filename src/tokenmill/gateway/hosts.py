@@ -58,11 +58,12 @@ ADMITTING: frozenset[ReplicaState] = frozenset({"unloaded", "loading", "ready"})
 
 @dataclass(frozen=True, slots=True)
 class ReplicaLocation:
-    """Where a replica runs now: its process, and its Ray node when on Ray."""
+    """Where a replica runs now: its process, and its Ray node and actor when on Ray."""
 
     pid: int | None = None
     node_id: str | None = None
     node_address: str | None = None
+    actor_id: str | None = None
 
 
 @runtime_checkable

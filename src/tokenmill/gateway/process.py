@@ -69,6 +69,9 @@ class ProcessChannel(SocketChannel):
         super().__init__(reader, writer)
         self.proc = proc
 
+    def detach(self) -> None:
+        self.kill()  # this gateway's alone: nothing else uses it
+
     def kill(self) -> None:
         self.close_socket()
         if self.proc.returncode is None:

@@ -204,7 +204,7 @@ class ReplicaActor:
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not await self._authentic(reader) or self._taken:
-            log.warning("closed a connection from %s: not the gateway's", _peer(writer))
+            log.warning("closed a connection from %s: not the gateway's", peer(writer))
             writer.close()
             return
         self._taken = True
@@ -223,21 +223,28 @@ class ReplicaActor:
 
     async def _authentic(self, reader: asyncio.StreamReader) -> bool:
         """Whether the peer's first frame is a ``hello`` with this actor's secret."""
-        try:
-            async with asyncio.timeout(HELLO_TIMEOUT_S):
-                (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-                if size > HELLO_MAX_BYTES:
-                    return False
-                hello = json.loads(await reader.readexactly(size))
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError):
-            return False
-        if not (isinstance(hello, dict) and hello.get("op") == "hello"):
-            return False
-        secret = hello.get("secret")
-        return isinstance(secret, str) and hmac.compare_digest(secret.encode(), self._secret)
+        secret = await read_hello(reader)
+        return secret is not None and hmac.compare_digest(secret.encode(), self._secret)
 
 
-def _peer(writer: asyncio.StreamWriter) -> str:
+async def read_hello(reader: asyncio.StreamReader) -> str | None:
+    """The secret in a peer's first frame, a ``hello`` sent within ``HELLO_TIMEOUT_S`` and
+    ``HELLO_MAX_BYTES``; None when it is anything else."""
+    try:
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+            if size > HELLO_MAX_BYTES:
+                return None
+            hello = json.loads(await reader.readexactly(size))
+    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError):
+        return None
+    if not (isinstance(hello, dict) and hello.get("op") == "hello"):
+        return None
+    secret = hello.get("secret")
+    return secret if isinstance(secret, str) else None
+
+
+def peer(writer: asyncio.StreamWriter) -> str:
     return str(writer.get_extra_info("peername"))
 
 
@@ -305,6 +312,9 @@ class RayChannel(SocketChannel):
     def _ended(self, how: str) -> None:
         if self._how is None:
             self._how = how
+
+    def detach(self) -> None:
+        self.kill()  # this gateway's alone: nothing else uses it
 
     def kill(self) -> None:
         self._ended("killed by the gateway")
@@ -397,6 +407,8 @@ __all__ = [
     "RayLauncher",
     "ReplicaActor",
     "acquire_ray",
+    "peer",
+    "read_hello",
     "release_ray",
     "renice_threads",
 ]

@@ -139,6 +139,27 @@ class Outbox:
         self._writer.send(message)
 
 
+def engine_status(engine: Engine) -> dict[str, Any]:
+    """The health snapshot a replica sends in ``ready``, ``status`` and ``pong``."""
+    h = engine.health()
+    stalled = h.detail.get("stalled_s", 0)
+    return {
+        "ready": h.ready,
+        "slots": h.slots,
+        "running": h.running,
+        "waiting": h.waiting,
+        "tokens_generated": h.tokens_generated,
+        "kv_cache_usage": round(h.kv_cache_usage, 4),
+        "threads": h.threads,
+        # Whole seconds the current decode step has been running: the gateway's
+        # probe kills a replica whose engine hangs in native code.
+        "stalled_s": int(stalled) if isinstance(stalled, int | float) else 0,
+        "context_length": (
+            engine.context_length() if isinstance(engine, TokenizingEngine) else None
+        ),
+    }
+
+
 class Runner:
     """The replica loop: frames in, the engine driven, frames out."""
 
@@ -151,23 +172,7 @@ class Runner:
         self.calls: set[asyncio.Task[None]] = set()
 
     def status(self) -> dict[str, Any]:
-        h = self.engine.health()
-        stalled = h.detail.get("stalled_s", 0)
-        return {
-            "ready": h.ready,
-            "slots": h.slots,
-            "running": h.running,
-            "waiting": h.waiting,
-            "tokens_generated": h.tokens_generated,
-            "kv_cache_usage": round(h.kv_cache_usage, 4),
-            "threads": h.threads,
-            # Whole seconds the current decode step has been running: the gateway's
-            # probe kills a replica whose engine hangs in native code.
-            "stalled_s": int(stalled) if isinstance(stalled, int | float) else 0,
-            "context_length": (
-                self.engine.context_length() if isinstance(self.engine, TokenizingEngine) else None
-            ),
-        }
+        return engine_status(self.engine)
 
     async def push_status(self) -> None:
         last: dict[str, Any] | None = None
@@ -178,13 +183,14 @@ class Runner:
                 self.out.send({"op": "status", "status": s})
                 last = s
 
-    async def prepare(self, req: GenerationRequest) -> None:
+    async def prepare(self, req: GenerationRequest) -> bool:
+        """Answer a ``prepare`` frame: ``prepared``, or an ``error`` (then False)."""
         started = time.monotonic()
         try:
             info = await self.engine.prepare(req)
         except Exception as e:
             self.out.send({"op": "error", "id": req.request_id, "error": encode_error(e)})
-            return
+            return False
         self.out.send(
             {
                 "op": "prepared",
@@ -195,6 +201,19 @@ class Runner:
                 "t": [started, time.monotonic()],
             }
         )
+        return True
+
+    async def call(self, msg: dict[str, Any]) -> bool:
+        """Answer a call frame (``tokenize`` ... ``embed``) by its id; False when ``msg``
+        is no call."""
+        op = msg["op"]
+        if op in ("tokenize", "detokenize", "tokenizer_info"):
+            await self.answer(msg)
+        elif op in ("embed_prepare", "embed"):
+            self.embedding(msg)
+        else:
+            return False
+        return True
 
     async def answer(self, msg: dict[str, Any]) -> None:
         """A ``tokenize``, ``detokenize`` or ``tokenizer_info`` frame, answered by its id."""
@@ -294,15 +313,24 @@ def create_engine_from(section: dict[str, Any]) -> Engine:
     return create_engine(parse_section(section))
 
 
-async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> int:
-    """Run one replica: load the engine ``section`` describes, then answer frames from
-    ``receive`` on ``frames`` until ``close`` or the gateway is gone."""
-    out = Outbox(frames)
+async def load_engine(section: dict[str, Any]) -> Engine:
+    """The engine of ``section``, started; raises (and logs) when it cannot load."""
     try:
         engine = create_engine_from(section)
         await engine.start()
     except Exception as e:
         log.error("the engine failed to load: %s", e)
+        raise
+    return engine
+
+
+async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> int:
+    """Run one replica: load the engine ``section`` describes, then answer frames from
+    ``receive`` on ``frames`` until ``close`` or the gateway is gone."""
+    out = Outbox(frames)
+    try:
+        engine = await load_engine(section)
+    except Exception as e:
         out.send({"op": "fatal", "message": str(e)})
         return 1
     runner = Runner(engine, out)
@@ -331,10 +359,8 @@ async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> 
                 engine.cancel(msg["id"])
             elif op == "prepare":
                 await runner.prepare(decode_request(msg["req"]))
-            elif op in ("tokenize", "detokenize", "tokenizer_info"):
-                await runner.answer(msg)
-            elif op in ("embed_prepare", "embed"):
-                runner.embedding(msg)
+            elif await runner.call(msg):
+                continue
             elif op == "ping":
                 out.send({"op": "pong", "status": runner.status()})
     finally:

@@ -15,6 +15,14 @@ A replica can also be alive yet wedged (a native call that never returns, a stop
 process): the host pings it every ``probe_interval_s``; one whose last frame is older
 than ``probe_timeout_s``, or whose engine reports one decode step running longer
 than that, is killed, and handled like any other death.
+
+A replica of a pool (:mod:`tokenmill.gateway.pool`) is shared with other gateways and
+says so in its ``ready`` frame (``"shared": true``). It then keeps its own slot count:
+``prepare`` reserves the request's slots there, or fails with
+:class:`~tokenmill.errors.ReplicaFullError` at once (the deployment places the request
+elsewhere); a request prepared but never generated is dropped there by ``cancel``. The
+host only ever *detaches* from such a replica when it loses or closes it: the replica
+keeps serving the other gateways; killing it is for a replica that failed or hangs.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from tokenmill.engines.base import (
 )
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
-from tokenmill.errors import EngineError, TokenmillError
+from tokenmill.errors import EngineError, ReplicaFullError, TokenmillError
 from tokenmill.gateway.hosts import ReplicaLocation, ReplicaState
 from tokenmill.gateway.wire import (
     decode_chunk_row,
@@ -79,6 +87,10 @@ class Channel(Protocol):
     def kill(self) -> None:
         """End the replica now, without asking it."""
 
+    def detach(self) -> None:
+        """Let go of the replica: end it (``kill``) if it is this gateway's alone; for
+        a pool's, close this connection and leave it serving the others."""
+
     async def wait(self) -> str:
         """Wait until the replica has ended; how it ended (for the log)."""
         ...
@@ -114,6 +126,10 @@ class _Incarnation:
     calls: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     lost: bool = False
     answered: float = field(default_factory=time.monotonic)  # last frame received
+    # A pool's replica, shared with other gateways: it keeps the slot count, and holds
+    # the slots of these requests, prepared here and not yet generated.
+    shared: bool = False
+    reserved: set[str] = field(default_factory=set)
 
     def send(self, message: dict[str, Any]) -> None:
         if self.lost:
@@ -145,6 +161,7 @@ class SupervisedHost:
         self._supervisor: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._callbacks: list[Callable[[], None]] = []
+        self._status_callbacks: list[Callable[[], None]] = []
         self._lost = asyncio.Event()
         self._closing = False
         self._lock = asyncio.Lock()
@@ -168,6 +185,16 @@ class SupervisedHost:
 
     def on_change(self, callback: Callable[[], None]) -> None:
         self._callbacks.append(callback)
+
+    def on_status(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the event loop) whenever the replica reports its status:
+        a shared replica's slots may have come free."""
+        self._status_callbacks.append(callback)
+
+    def _status_changed(self, status: dict[str, Any]) -> None:
+        self._status = status
+        for callback in self._status_callbacks:
+            callback()
 
     def _set(self, state: ReplicaState) -> None:
         if state != self._state:
@@ -247,7 +274,7 @@ class SupervisedHost:
             how = await channel.wait()
             raise EngineError(f"the {self.kind} replica failed to start ({reason}; {how})")
         self._status = dict(first.get("status") or self._status)
-        current = _Incarnation(channel)
+        current = _Incarnation(channel, shared=bool(first.get("shared")))
         self._current = current
         self._lost.clear()
         self._tasks = [
@@ -328,7 +355,20 @@ class SupervisedHost:
                             if stream.ended:
                                 del streams[rid]
                 elif op in ("status", "pong"):
-                    self._status = msg["status"]
+                    self._status_changed(msg["status"])
+                elif op == "full":  # a shared replica's slots are all taken
+                    rid = msg["id"]
+                    full = ReplicaFullError(
+                        f"{current.channel.name} has no free slot (other gateways hold "
+                        "them); place the request on another replica"
+                    )
+                    call = current.calls.pop(rid, None)
+                    if call is not None and not call.done():
+                        call.set_exception(full)
+                    stream = streams.pop(rid, None)
+                    if stream is not None:
+                        stream.put(full)
+                    self._status_changed(msg["status"])
                 elif op in ("prepared", "answer"):
                     call = current.calls.pop(msg["id"], None)
                     if call is not None and not call.done():
@@ -353,7 +393,8 @@ class SupervisedHost:
 
     def _fail(self, current: _Incarnation, err: TokenmillError) -> None:
         current.lost = True
-        current.channel.kill()
+        current.channel.detach()
+        current.reserved.clear()
         for stream in current.streams.values():
             stream.put(err)
         current.streams.clear()
@@ -386,6 +427,8 @@ class SupervisedHost:
         answer = await self._call(
             request.request_id, {"op": "prepare", "req": encode_request(request)}
         )
+        if current is not None and current.shared:  # its slots are held there now
+            current.reserved.add(request.request_id)
         work = answer.get("t")  # when the replica began and ended the work
         if work and current is not None and current.channel.same_clock:
             stages.mark("prepare_start", work[0])
@@ -434,6 +477,7 @@ class SupervisedHost:
         rid = request.request_id
         stream = ChunkStream(rid, self.cancel)
         current.streams[rid] = stream
+        current.reserved.discard(rid)
         try:
             current.send({"op": "generate", "req": encode_request(request)})
         except BaseException:
@@ -442,8 +486,14 @@ class SupervisedHost:
         return stream
 
     def cancel(self, request_id: str) -> None:
+        """Stop a request; on a shared replica, also drop one prepared and never
+        generated (its slots are held there)."""
         current = self._current
-        if current is None or request_id not in current.streams:
+        if current is None:
+            return
+        if request_id in current.reserved:
+            current.reserved.discard(request_id)
+        elif request_id not in current.streams:
             return
         # If the replica is gone, _fail ends the stream instead.
         with contextlib.suppress(EngineError):
