@@ -154,6 +154,7 @@ class Deployment:
         # Woken (and replaced) whenever a slot may have come free: a request waiting
         # for a pool's replica then tries again.
         self._room = asyncio.Event()
+        self._placing = 0  # requests admitted here, waiting for a pool's replica
         for replica in self.replicas:
             replica.host.on_change(self.refresh_capacity)
             if isinstance(replica.host, SupervisedHost):
@@ -227,10 +228,13 @@ class Deployment:
                         retry_after=self.admission.retry_after(),
                         code="queue_timeout",
                     )
+                self._placing += 1
                 try:
                     await asyncio.wait_for(room.wait(), left)
                 except TimeoutError:
                     continue
+                finally:
+                    self._placing -= 1
                 refused = {r for r in refused if r.serving() and r.looks_full(weight)}
                 if len(refused) == len([r for r in self.replicas if r.serving()]):
                     continue  # nothing reports room yet
@@ -301,7 +305,7 @@ class Deployment:
             "engine": self.config.engine,
             "endpoint_type": self.config.endpoint_type,
             "in_flight": sum(r.in_flight for r in self.replicas),
-            "queued": self.admission.waiting,
+            "queued": self.admission.waiting + self._placing,
             "replicas": [r.describe() for r in self.replicas],
             "admission": self.config.admission,
             # Who waits and runs here, and the share each is owed (docs/fairness.md).

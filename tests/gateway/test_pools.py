@@ -1,0 +1,192 @@
+"""Replica pools (``pool = "..."``): Ray replicas that several gateways share.
+
+Two gateways on the session's Ray cluster name the same pool of scripted replicas
+(one slot each): they attach to the same actors instead of starting their own, the
+replicas' own slot count holds across both (a request finding its replica full goes
+to the other one, or waits for a slot, never runs beside it), one gateway stopping
+leaves the pool serving the other, and a replica that dies is created again once
+and serves both. Every step is ordered by the driver's events; the pool is removed
+afterwards by ``tokenmill pool stop``, as an operator would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import RayCluster, ServerProcess
+from tests.driver import EngineDriver, scripted_deployment
+from tests.sse import DONE, events, text
+from tests.waiting import HANG_S, wait_until
+
+PROMPT = "Tell a long story."
+
+
+def body(max_tokens: int, stream: bool = True) -> dict[str, Any]:
+    return {"model": "scripted", "prompt": PROMPT, "max_tokens": max_tokens, "stream": stream}
+
+
+def replicas(c: httpx.Client) -> list[dict[str, Any]]:
+    r = c.get("/v1/deployments/scripted")
+    assert r.status_code == 200, r.text
+    return list(r.json()["replicas"])
+
+
+def where(c: httpx.Client) -> list[tuple[int, str]]:
+    """Each replica's pid and actor id, as the gateway reports them."""
+    return [(r["pid"], r["actor_id"]) for r in replicas(c)]
+
+
+def pool_cli(cluster: RayCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "tokenmill", "pool", *args, "--ray-address", cluster.address]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, env=env)
+
+
+@pytest.fixture
+def pool(ray_cluster: RayCluster) -> Iterator[str]:
+    """A pool name of this test's own, stopped after the test's gateways (ask for it
+    before ``driver`` and ``start_server``: it is torn down after them)."""
+    name = f"pool-{uuid.uuid4().hex[:8]}"
+    yield name
+    stopped = pool_cli(ray_cluster, "stop", name)
+    assert stopped.returncode == 0, stopped.stderr
+    assert pool_cli(ray_cluster, "list").stdout.count(name) == 0
+
+
+def pooled(driver: EngineDriver, cluster: RayCluster, pool: str, **keys: object) -> str:
+    table = scripted_deployment(
+        driver, placement="ray", pool=pool, ray_num_cpus=0.25, max_num_seqs=1, **keys
+    )
+    return f"ray_address = {cluster.address!r}\n{table}"
+
+
+def most_at_once(driver: EngineDriver) -> dict[int, int]:
+    """The most requests each replica process ran at once, from the driver's events."""
+    running: dict[int, int] = {}
+    most: dict[int, int] = {}
+    for event in list(driver.events):
+        if event["event"] not in ("started", "ended", "aborted"):
+            continue
+        pid = driver.pid(event["id"])
+        running[pid] = running.get(pid, 0) + (1 if event["event"] == "started" else -1)
+        most[pid] = max(most.get(pid, 0), running[pid])
+    return most
+
+
+def test_two_gateways_share_a_pool_and_never_overcommit_a_replica(
+    pool: str,
+    driver: EngineDriver,
+    ray_cluster: RayCluster,
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    config = pooled(driver, ray_cluster, pool, replicas=2)
+    gw_a, gw_b = start_server(config=config), start_server(config=config)
+    with ExitStack() as stack, ThreadPoolExecutor(1) as waiting:
+        a = stack.enter_context(httpx.Client(base_url=gw_a.url, timeout=HANG_S))
+        b = stack.enter_context(httpx.Client(base_url=gw_b.url, timeout=HANG_S))
+        # The same two actors for both: two engines in all, not four.
+        shared = where(a)
+        assert shared == where(b) and len({pid for pid, _ in shared}) == 2
+        assert all(r["state"] == "ready" and r["pool"] == pool for r in replicas(b))
+        assert driver.seen("hello") == 2
+        listed = pool_cli(ray_cluster, "list")
+        assert f'"{pool}/0"' in listed.stdout and f'"{pool}/1"' in listed.stdout, listed
+
+        # a holds one replica's slot; b, which knows nothing of a's request, still
+        # lands its first on the other replica (the full one refuses at once).
+        streams = {}
+        r = stack.enter_context(
+            a.stream("POST", "/v1/completions", json=body(9), headers={"x-request-id": "a1"})
+        )
+        streams["a1"] = events(r)
+        r = stack.enter_context(
+            b.stream("POST", "/v1/completions", json=body(9), headers={"x-request-id": "b1"})
+        )
+        streams["b1"] = events(r)
+        assert driver.pid("b1") != driver.pid("a1")
+        # Both replicas full: b's next request waits for a slot (b's own admission had
+        # one free), and starts nowhere meanwhile.
+        b2 = waiting.submit(
+            b.post, "/v1/completions", json=body(2, False), headers={"x-request-id": "b2"}
+        )
+        wait_until(lambda: b.get("/v1/deployments/scripted").json()["queued"] == 1, "b2 to wait")
+        assert driver.seen("started", "b2") == 0
+        # Each replica counts the slot taken, whichever gateway took it.
+        wait_until(lambda: [rep["running"] for rep in replicas(a)] == [1, 1], "a's view")
+        # a's request ends: its slot goes to b2, on that replica.
+        driver.emit("a1", 1)
+        driver.finish("a1")
+        assert list(streams["a1"])[-1] == DONE
+        driver.emit("b2", 2)
+        finished = b2.result(timeout=HANG_S)
+        assert finished.status_code == 200, finished.text
+        assert finished.json()["usage"]["completion_tokens"] == 2
+        assert driver.pid("b2") == driver.pid("a1")
+
+        # a leaves: the pool's replicas stay, and serve b (b1 is still running).
+        gw_a.stop()
+        assert gw_a.proc.returncode == 0, gw_a.log()
+        driver.emit("b1", 1)
+        driver.finish("b1")
+        assert list(streams["b1"])[-1] == DONE
+        with b.stream("POST", "/v1/completions", json=body(1), headers={"x-request-id": "b3"}) as r:
+            tail = events(r)
+            driver.emit("b3", 1)
+            assert list(tail)[-1] == DONE
+        assert where(b) == shared and driver.seen("hello") == 2
+    # Never more than one stream at once on a replica of one slot, across both gateways.
+    assert most_at_once(driver) == {pid: 1 for pid, _ in shared}
+
+
+def test_a_pool_replica_that_dies_is_created_again_once_and_serves_both_gateways(
+    pool: str,
+    driver: EngineDriver,
+    ray_cluster: RayCluster,
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    config = pooled(driver, ray_cluster, pool, replicas=1)
+    gw_a, gw_b = start_server(config=config), start_server(config=config)
+    with (
+        httpx.Client(base_url=gw_a.url, timeout=HANG_S) as a,
+        httpx.Client(base_url=gw_b.url, timeout=HANG_S) as b,
+    ):
+        (first,) = where(a)
+        assert where(b) == [first]
+        with a.stream("POST", "/v1/completions", json=body(9), headers={"x-request-id": "k"}) as r:
+            stream = events(r)
+            driver.emit("k", 1)
+            assert text(next(stream)) == " w1"
+            driver.crash("k")  # the actor's process exits
+            tail = list(stream)
+        errors = [e for e in tail if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail
+
+        def back(c: httpx.Client) -> dict[str, Any] | None:
+            (rep,) = replicas(c)
+            return rep if rep["state"] == "ready" and rep["pid"] != first[0] else None
+
+        again_a = wait_until(lambda: back(a), "gateway a's replica to be back")
+        again_b = wait_until(lambda: back(b), "gateway b's replica to be back")
+        # One new actor, the same for both: whoever came first created it.
+        assert (again_a["pid"], again_a["actor_id"]) == (again_b["pid"], again_b["actor_id"])
+        assert again_a["actor_id"] != first[1]
+        assert driver.seen("hello") == 2
+        assert again_a["restarts"] == again_b["restarts"] == 1
+        for c, rid in ((a, "after-a"), (b, "after-b")):
+            with c.stream(
+                "POST", "/v1/completions", json=body(1), headers={"x-request-id": rid}
+            ) as r:
+                tail_events = events(r)
+                driver.emit(rid, 1)
+                assert list(tail_events)[-1] == DONE
+            assert driver.pid(rid) == again_a["pid"]
