@@ -63,9 +63,9 @@ def pool(ray_cluster: RayCluster) -> Iterator[str]:
     assert pool_cli(ray_cluster, "list").stdout.count(name) == 0
 
 
-def pooled(driver: EngineDriver, cluster: RayCluster, pool: str, **keys: object) -> str:
+def pooled(driver: EngineDriver, cluster: RayCluster, pool: str, replicas: int) -> str:
     table = scripted_deployment(
-        driver, placement="ray", pool=pool, ray_num_cpus=0.25, max_num_seqs=1, **keys
+        driver, placement="ray", pool=pool, ray_num_cpus=0.25, max_num_seqs=1, replicas=replicas
     )
     return f"ray_address = {cluster.address!r}\n{table}"
 
