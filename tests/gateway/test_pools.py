@@ -11,6 +11,7 @@ afterwards by ``tokenmill pool stop``, as an operator would.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -190,3 +191,38 @@ def test_a_pool_replica_that_dies_is_created_again_once_and_serves_both_gateways
                 driver.emit(rid, 1)
                 assert list(tail_events)[-1] == DONE
             assert driver.pid(rid) == again_a["pid"]
+
+
+def test_a_conversation_alternating_between_two_gateways_finds_its_cache(
+    pool: str, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    # The real model, one replica in the pool: each turn, through the other gateway,
+    # finds the whole earlier conversation in the one engine's KV cache.
+    config = (
+        f"ray_address = {ray_cluster.address!r}\n"
+        f'[[deployments]]\nid = "smollm2"\nplacement = "ray"\npool = "{pool}"\n'
+        "max_num_seqs = 2\nn_ctx = 512\nn_threads = 1\nray_num_cpus = 0.25\n"
+    )
+    gateways = [start_server(config=config), start_server(config=config)]
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name three rivers of Europe."},
+    ]
+    usages: list[dict[str, Any]] = []
+    for turn, srv in enumerate([*gateways, gateways[0]]):
+        request = {"model": "smollm2", "messages": messages, "max_tokens": 8, "temperature": 0}
+        with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+            r = c.post("/v1/chat/completions", json=request)
+        assert r.status_code == 200, r.text
+        usages.append(r.json()["usage"])
+        answer = r.json()["choices"][0]["message"]["content"]
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": f"And {turn + 2} more?"},
+        ]
+    for before, after in itertools.pairwise(usages):
+        # At least the whole earlier prompt (and the answer, bar its last token, which
+        # was sampled, not decoded, unless the engine warmed the next turn meanwhile).
+        cached = after["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= before["prompt_tokens"] + before["completion_tokens"] - 1, usages
+        assert after["prompt_tokens"] > cached

@@ -31,6 +31,9 @@ class Gateway:
     def send(self, message: dict[str, Any]) -> None:
         self.writer.write(encode_frame(message))
 
+    def reserve(self, rid: str, weight: int = 1) -> None:
+        self.send({"op": "reserve", "id": rid, "w": weight})
+
     def request(self, op: str, rid: str, n: int = 1) -> None:
         req = GenerationRequest(rid, SamplingParams(max_tokens=5), prompt="one two three", n=n)
         self.send({"op": op, "req": encode_request(req)})
@@ -47,7 +50,7 @@ class Gateway:
 
 
 def answer_to(rid: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda m: m.get("id") == rid and m["op"] in ("prepared", "full", "error")
+    return lambda m: m.get("id") == rid and m["op"] in ("prepared", "reserved", "full", "error")
 
 
 def chunk_rows(frames: list[dict[str, Any]]) -> list[list[Any]]:
@@ -75,10 +78,13 @@ def test_two_gateways_share_one_engine_and_never_overcommit_its_slot(
         b, served_b = await attach(replica)
         assert driver.seen("hello") == 1  # one engine for both
 
-        a.request("prepare", "a1")
-        assert (await a.until(answer_to("a1")))["op"] == "prepared"
-        # The one slot is a1's (reserved): b is refused at once, with the count.
+        a.reserve("a1")
+        assert (await a.until(answer_to("a1")))["op"] == "reserved"
+        # The one slot is a1's: b may prepare (that holds nothing), but its reserve is
+        # refused at once, with the count.
         b.request("prepare", "b1")
+        assert (await b.until(answer_to("b1")))["op"] == "prepared"
+        b.reserve("b1")
         full = await b.until(answer_to("b1"))
         assert full["op"] == "full" and full["status"]["running"] == 1
         a.request("generate", "a1")
@@ -90,12 +96,12 @@ def test_two_gateways_share_one_engine_and_never_overcommit_its_slot(
         # b was told "full": it hears at once that the slot is free, and takes it.
         freed = await b.until(lambda m: m["op"] == "status" and m["status"]["running"] == 0)
         assert freed and final
-        b.request("prepare", "b1")
-        assert (await b.until(answer_to("b1")))["op"] == "prepared"
+        b.reserve("b1")
+        assert (await b.until(answer_to("b1")))["op"] == "reserved"
         b.request("generate", "b1")
         await asyncio.to_thread(driver.started, "b1")
         # An id running here for b is not a's to reuse: refused, naming the field.
-        a.request("prepare", "b1")
+        a.reserve("b1")
         dup = await a.until(answer_to("b1"))
         assert dup["op"] == "error" and dup["error"]["param"] == "x-request-id", dup
         assert not chunk_rows(b.seen) and all(m["op"] != "chunks" for m in b.seen)
@@ -105,12 +111,12 @@ def test_two_gateways_share_one_engine_and_never_overcommit_its_slot(
         b.writer.close()
         await served_b
         assert (await asyncio.to_thread(driver.wait, "aborted", "b1"))["tokens"] == 0
-        a.request("prepare", "a2")
-        assert (await a.until(answer_to("a2")))["op"] == "prepared"
-        # A reservation a drops (its request refused after prepare) frees the slot too.
+        a.reserve("a2")
+        assert (await a.until(answer_to("a2")))["op"] == "reserved"
+        # A reservation a drops (its request refused after all) frees the slot too.
         a.send({"op": "abort", "id": "a2"})
-        a.request("prepare", "a3")
-        assert (await a.until(answer_to("a3")))["op"] == "prepared"
+        a.reserve("a3")
+        assert (await a.until(answer_to("a3")))["op"] == "reserved"
         a.send({"op": "close"})
         await served_a
         a.writer.close()
@@ -126,15 +132,15 @@ def test_a_request_of_several_choices_takes_as_many_slots(driver: EngineDriver) 
     async def scenario() -> None:
         replica = SharedReplica(section)
         a, served = await attach(replica)
-        # The scripted engine refuses n > 1 at prepare: the slots it reserved return.
-        a.request("prepare", "many", n=3)
-        assert (await a.until(answer_to("many")))["op"] == "error"
-        a.request("prepare", "two")
-        a.request("prepare", "three")
-        a.request("prepare", "four")
-        a.request("prepare", "five")
-        answers = [(await a.until(answer_to(r)))["op"] for r in ("two", "three", "four", "five")]
-        assert answers == ["prepared", "prepared", "prepared", "full"]
+        a.reserve("three", 3)
+        a.reserve("one", 1)
+        answers = [(await a.until(answer_to(r)))["op"] for r in ("three", "one")]
+        assert answers == ["reserved", "full"]
+        a.send({"op": "abort", "id": "three"})  # dropped: its three slots return
+        for rid, weight in (("two", 2), ("one", 1), ("more", 1)):
+            a.reserve(rid, weight)
+        answers = [(await a.until(answer_to(r)))["op"] for r in ("two", "one", "more")]
+        assert answers == ["reserved", "reserved", "full"]
         a.send({"op": "close"})
         await served
         a.writer.close()

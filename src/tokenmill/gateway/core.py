@@ -364,7 +364,8 @@ class Gateway:
         replica: Replica | None = None
         hold: HoldRequest | None = None
         try:
-            replica, info = await deployment.place(request, weight)
+            replica = await deployment.place(request.request_id, weight)
+            info = await replica.host.prepare(request)
             marks["prepared"] = time.monotonic()
             record.prompt_tokens = info.prompt_tokens
             deployment.admission.serve(caller.account_id, info.prompt_tokens)
@@ -388,7 +389,7 @@ class Gateway:
             marks["held"] = time.monotonic()
         except BaseException as e:
             if replica is not None:
-                replica.host.cancel(request.request_id)  # a pool's replica holds its slots
+                replica.host.cancel(request.request_id)  # a pool's replica holds slots
                 deployment.release(replica, weight)
             deployment.admission.release(weight=weight, account=caller.account_id)
             self._refused(record, e)

@@ -8,7 +8,8 @@ replica with the fewest outstanding requests.
 
 A deployment of a pool (``pool = "..."``, :mod:`tokenmill.gateway.pool`) shares its
 replicas with other gateways, so its admission's slots are an upper bound, not a
-promise: a replica whose slots other gateways hold refuses at ``prepare``, and
+promise: a replica whose slots other gateways hold refuses the request's
+``reserve``, and
 :meth:`Deployment.place` tries the others, then waits for one to report a free slot
 (up to ``queue_timeout_s``).
 """
@@ -25,7 +26,6 @@ from typing import Any
 
 from tokenmill.config import DeploymentConfig, ReplicatedDeployment
 from tokenmill.engines import create_engine
-from tokenmill.engines.base import GenerationRequest, PromptInfo
 from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
 from tokenmill.gateway.hosts import ADMITTING, LocalHost, ReplicaHost, ReplicaState
@@ -205,13 +205,11 @@ class Deployment:
         best.last_used = time.monotonic()
         return best
 
-    async def place(
-        self, request: GenerationRequest, weight: int = 1
-    ) -> tuple[Replica, PromptInfo]:
-        """Pick a replica and prepare ``request`` on it: the replica, counted busy, and
-        the prompt's size. A pool's replica that is full (other gateways hold its slots)
-        refuses at once: the others are tried, then, all full, the request waits for a
-        replica to report a free slot, up to ``queue_timeout_s`` (then 429)."""
+    async def place(self, request_id: str, weight: int = 1) -> Replica:
+        """Pick a replica for a request of ``weight`` slots and claim them there: the
+        replica, counted busy. A pool's replica that is full (other gateways hold its
+        slots) refuses at once: the others are tried, then, all full, the request waits
+        for a replica to report a free slot, up to ``queue_timeout_s`` (then 429)."""
         refused: set[Replica] = set()
         deadline: float | None = None
         while True:
@@ -240,7 +238,8 @@ class Deployment:
                     continue  # nothing reports room yet
             replica = await self.pick(weight, avoid=refused)
             try:
-                return replica, await replica.host.prepare(request)
+                await replica.host.reserve(request_id, weight)
+                return replica
             except ReplicaFullError:
                 self.release(replica, weight)
                 refused.add(replica)

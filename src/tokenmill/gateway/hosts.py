@@ -91,6 +91,12 @@ class ReplicaHost(Protocol):
     async def close(self) -> None:
         """Stop the replica; open streams end with an error. State ``unloaded``."""
 
+    async def reserve(self, request_id: str, weight: int) -> None:
+        """Claim ``weight`` slots for a request about to run here. Only a replica shared
+        with other gateways (a pool's) keeps its own count and may refuse, with
+        :class:`~tokenmill.errors.ReplicaFullError`; ``cancel`` gives back a claim that
+        no ``generate`` followed."""
+
     async def prepare(self, request: GenerationRequest) -> PromptInfo: ...
 
     def generate(self, request: GenerationRequest) -> ChunkStream: ...
@@ -167,6 +173,9 @@ class LocalHost:
         async with self._lock:
             await self.engine.close()
             self._set("unloaded")
+
+    async def reserve(self, request_id: str, weight: int) -> None:
+        pass  # this gateway's alone: the deployment counts its slots
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
         stages.mark("prepare_start")

@@ -6,12 +6,14 @@ gateway attached to it, each over a connection of its own carrying the frames of
 (:func:`tokenmill.gateway.runner.serve`). What differs:
 
 * **Its slots are its own.** Each gateway admits against its own view, so the
-  replica decides: a ``prepare`` reserves the request's slots in a
-  :class:`~tokenmill.gateway.slotbook.SlotBook` (one per choice) or is answered at
-  once with ``{"op": "full", "id", "status"}``, and that gateway tries another replica
-  or waits for a slot. The ``generate`` that follows runs on the reservation; the
+  replica decides: a gateway's ``reserve`` (``{"op": "reserve", "id", "w"}``, sent
+  once it has chosen this replica) holds the request's ``w`` slots (one per choice) in
+  a :class:`~tokenmill.gateway.slotbook.SlotBook` and is answered ``reserved``, or at
+  once ``{"op": "full", "id", "status"}``, and that gateway tries another replica or
+  waits for a slot. The ``generate`` that follows runs on the reservation; the
   request's final chunk frees it; a gateway's ``abort`` before its ``generate`` drops
-  it. So all gateways together never run more streams here than ``max_num_seqs``.
+  it. (``prepare`` holds nothing: a gateway may prepare on one replica and run on
+  another.) So all gateways together never run more streams here than ``max_num_seqs``.
   The status every gateway receives counts as ``running`` the slots taken, by whoever.
 * **Frames go to whom they concern.** Answers to a gateway's calls and its requests'
   chunks go to that gateway alone (the engine's step sink splits each step's events by
@@ -179,8 +181,10 @@ class SharedReplica:
             if msg is None or msg["op"] == "close":
                 return
             op = msg["op"]
-            if op == "prepare":
-                await self._prepare(conn, decode_request(msg["req"]))
+            if op == "reserve":
+                self._reserve(conn, str(msg["id"]), int(msg["w"]))
+            elif op == "prepare":
+                await conn.runner.prepare(decode_request(msg["req"]))
             elif op == "generate":
                 self._generate(conn, decode_request(msg["req"]))
             elif op == "abort":
@@ -217,17 +221,16 @@ class SharedReplica:
 
     # -- slots ------------------------------------------------------------------------
 
-    async def _prepare(self, conn: _Attached, req: GenerationRequest) -> None:
-        rid = req.request_id
+    def _reserve(self, conn: _Attached, rid: str, weight: int) -> None:
         with self._lock:
-            booked = self.book.reserve(conn.number, rid, req.choices, time.monotonic())
+            booked = self.book.reserve(conn.number, rid, weight, time.monotonic())
         if booked == "full":
             self._refused = True
             conn.send({"op": "full", "id": rid, "status": self.status()})
         elif booked == "duplicate":
             conn.send({"op": "error", "id": rid, "error": encode_error(_duplicate(rid))})
-        elif not await conn.runner.prepare(req):
-            self._end(rid)
+        else:
+            conn.send({"op": "reserved", "id": rid})
 
     def _generate(self, conn: _Attached, req: GenerationRequest) -> None:
         rid = req.request_id

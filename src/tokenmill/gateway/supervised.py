@@ -18,9 +18,9 @@ than that, is killed, and handled like any other death.
 
 A replica of a pool (:mod:`tokenmill.gateway.pool`) is shared with other gateways and
 says so in its ``ready`` frame (``"shared": true``). It then keeps its own slot count:
-``prepare`` reserves the request's slots there, or fails with
+``reserve`` holds the request's slots there, or fails with
 :class:`~tokenmill.errors.ReplicaFullError` at once (the deployment places the request
-elsewhere); a request prepared but never generated is dropped there by ``cancel``. The
+elsewhere); a request reserved but never generated is dropped there by ``cancel``. The
 host only ever *detaches* from such a replica when it loses or closes it: the replica
 keeps serving the other gateways; killing it is for a replica that failed or hangs.
 """
@@ -127,7 +127,7 @@ class _Incarnation:
     lost: bool = False
     answered: float = field(default_factory=time.monotonic)  # last frame received
     # A pool's replica, shared with other gateways: it keeps the slot count, and holds
-    # the slots of these requests, prepared here and not yet generated.
+    # the slots of these requests, reserved and not yet generated.
     shared: bool = False
     reserved: set[str] = field(default_factory=set)
 
@@ -369,7 +369,7 @@ class SupervisedHost:
                     if stream is not None:
                         stream.put(full)
                     self._status_changed(msg["status"])
-                elif op in ("prepared", "answer"):
+                elif op in ("prepared", "answer", "reserved"):
                     call = current.calls.pop(msg["id"], None)
                     if call is not None and not call.done():
                         call.set_result(msg)
@@ -422,13 +422,21 @@ class SupervisedHost:
         finally:
             current.calls.pop(call_id, None)
 
+    async def reserve(self, request_id: str, weight: int) -> None:
+        """Hold ``weight`` slots for the request on a shared replica (a pool's), or
+        raise :class:`ReplicaFullError` at once; nothing to do on a replica of this
+        gateway's own, whose slots the deployment counts."""
+        current = self._live()
+        if not current.shared:
+            return
+        await self._call(request_id, {"op": "reserve", "w": weight})
+        current.reserved.add(request_id)
+
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
         current = self._current
         answer = await self._call(
             request.request_id, {"op": "prepare", "req": encode_request(request)}
         )
-        if current is not None and current.shared:  # its slots are held there now
-            current.reserved.add(request.request_id)
         work = answer.get("t")  # when the replica began and ended the work
         if work and current is not None and current.channel.same_clock:
             stages.mark("prepare_start", work[0])
@@ -486,7 +494,7 @@ class SupervisedHost:
         return stream
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request; on a shared replica, also drop one prepared and never
+        """Stop a request; on a shared replica, also drop one reserved and never
         generated (its slots are held there)."""
         current = self._current
         if current is None:
