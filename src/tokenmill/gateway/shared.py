@@ -133,10 +133,10 @@ class SharedReplica:
         return status
 
     def broadcast(self, message: dict[str, Any]) -> None:
-        """A replica event, to every attached gateway (from the event loop)."""
+        """A replica event, to every attached gateway, from any thread (the decode
+        thread too: an engine's cache events): encoded once, written whole to each."""
         data = encode_frame(message)
         for conn in list(self._attached.values()):
-            conn.runner.out.flush()  # after what that gateway was already sent
             conn.frames.write(data)
 
     async def _push_status(self) -> None:
