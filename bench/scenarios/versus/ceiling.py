@@ -129,13 +129,17 @@ def lines(results: dict[str, Any]) -> list[str]:
     ceil = results.get("ceiling")
     if not ceil:
         return []
+    # After an interruption it may have run at one level only.
+    levels = [str(c) for c in LEVELS if str(c) in ceil]
     rows = [
-        f"\nin-process ceiling (engine alone, no HTTP; medians of runs made in turn with "
+        "\nin-process ceiling (engine alone, no HTTP; medians of runs made in turn with "
         "the servers'): "
-        f"1 seq {ceil['1']['tok_s']:.1f} tok/s {ceil['1']['runs']}, "
-        f"{SLOTS} seqs {ceil[str(SLOTS)]['tok_s']:.1f} tok/s {ceil[str(SLOTS)]['runs']}"
+        + ", ".join(
+            f"{c} seq{'s' if c != '1' else ''} {ceil[c]['tok_s']:.1f} tok/s {ceil[c]['runs']}"
+            for c in levels
+        )
     ]
-    for c in ("1", str(SLOTS)):
+    for c in levels:
         row = results["summary"].get(c)
         if row and ceil[c]["tok_s"]:
             rows.append(
