@@ -56,7 +56,8 @@ class Plan:
             return f"c={concurrency}: {self.requests} requests, all workers at once"
         step = math.ceil(max_tokens / concurrency)
         return (
-            f"c={concurrency}: {self.requests} requests, workers started {step} tokens apart "
+            f"c={concurrency}: {self.requests} requests, workers started {step} "
+            f"token{'s' if step != 1 else ''} apart "
             f"(1/{concurrency} of a request); TTFT and ITL over the "
             f"{self.requests - concurrency} after each worker's first"
         )
