@@ -1,4 +1,4 @@
-"""The first token, for ``bench/run.py``: tokenmill's stages, and a chat's second turn.
+"""The first token, for the bench scenarios: tokenmill's stages, and a chat's second turn.
 
 * :func:`read_stages`: the ``stages_ms`` of the requests tokenmill logged (one JSON line
   per request, see ``tokenmill.stages``) past a point of its log file, so that a run's

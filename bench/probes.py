@@ -1,6 +1,6 @@
 """What ``make bench`` watches besides throughput: memory, /health latency, profiles.
 
-Linux-only (it reads ``/proc``); imported by ``bench/run.py``.
+Linux-only (it reads ``/proc``); imported by the scenarios of ``bench/scenarios/``.
 """
 
 from __future__ import annotations

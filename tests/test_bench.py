@@ -136,3 +136,25 @@ def test_bench_json_schema_constrains_every_request(server: ServerProcess, tmp_p
     assert report["json_schema"] == str(schema)
     # ignore_eos asks for all 16 tokens; the grammar is whole after '"yes"' or '"no"'.
     assert 0 < report["output_tokens"] <= 2 * 4
+
+
+def test_bench_stagger_leaves_the_ramp_out_of_the_latencies(server: ServerProcess) -> None:
+    args = [server.url, "--model", "smollm2", "-c", "2", "-n", "5", "--max-tokens", "8"]
+    out = run_bench(*args, "--stagger", "--json", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["errors"] == 0, report["error_samples"]
+    assert report["completed"] == 5
+    # The second worker starts once the first has streamed ceil(8 / 2) tokens.
+    assert report["stagger_tokens"] == 4
+    assert 0 < report["ramp_s"] < report["wall_s"]
+    # Each worker's first request is the ramp: counted in tokens, not in the latencies.
+    assert report["measured_requests"] == 3
+    assert report["usage_reported"] == 5
+
+
+def test_bench_without_stagger_measures_every_request(server: ServerProcess) -> None:
+    args = [server.url, "--model", "smollm2", "-c", "2", "-n", "3", "--max-tokens", "4"]
+    report = json.loads(run_bench(*args, "--json", "--no-progress").stdout)
+    assert report["stagger_tokens"] == 0
+    assert report["measured_requests"] == report["completed"] == 3

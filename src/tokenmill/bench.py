@@ -18,6 +18,14 @@ cost; the report counts the tokens that came with one.
 (``response_format``), to measure what structured outputs cost; ``--system FILE``
 puts FILE's text before every prompt as a system message.
 
+``--stagger`` starts the workers one after another instead of all at once: each when
+the one before has streamed ``max_tokens / concurrency`` tokens of its first request.
+Requests then arrive spread over one request's duration and stay so (a closed loop
+keeps each worker's phase), instead of in waves of ``concurrency`` that are prefilled
+together, whose time to first token jumps by a whole prefill step from run to run.
+The workers' first requests (the ramp) count towards tokens/s, not towards the
+TTFT, inter-token and latency percentiles.
+
 ``--busy N`` runs N busy loops (processes at ordinary priority that only spin) for
 the duration of the run: how a server holds up on a host whose cores other work
 shares (a build, a log shipper, a neighbour's batch job).
@@ -33,7 +41,7 @@ import math
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +74,7 @@ class RequestResult:
     gaps_s: list[float] = field(default_factory=list)  # between content chunks
     logprob_tokens: int = 0  # entries of the chunks' logprobs.content
     error: str = ""
+    ramp: bool = False  # a worker's first request while --stagger starts the workers
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -131,7 +140,13 @@ def _error_text(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message}"
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    on_chunk: Callable[[int], None] | None = None,
+) -> RequestResult:
+    """One streamed request; ``on_chunk`` is told the count of text chunks so far."""
     start = time.perf_counter()
     first = last = 0.0
     chunks = 0
@@ -169,6 +184,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
                             gaps.append(now - last)
                         last = now
                         chunks += 1
+                        if on_chunk is not None:
+                            on_chunk(chunks)
                     logprobs = choice.get("logprobs")
                     if logprobs:
                         logprob_tokens += len(logprobs.get("content") or ())
@@ -221,35 +238,69 @@ async def run_load(args: argparse.Namespace, prompts: list[str]) -> dict[str, An
     bar = tqdm(
         total=args.requests, file=sys.stderr, unit="req", disable=args.no_progress, leave=False
     )
+    step = stagger_tokens(args)
+    # Worker k waits for starts[k]: all set at once, or (--stagger) each set by the worker
+    # before it once its first request has streamed `step` chunks (or ended).
+    starts = [asyncio.Event() for _ in range(args.concurrency)]
+    for event in starts if not step else starts[:1]:
+        event.set()
+    ramp_s = 0.0
 
-    async def worker(client: httpx.AsyncClient) -> None:
-        nonlocal next_index
+    def release(k: int) -> Callable[[int], None]:
+        def on_chunk(chunks: int) -> None:
+            if chunks >= step:
+                starts[k].set()
+
+        return on_chunk
+
+    async def worker(client: httpx.AsyncClient, k: int) -> None:
+        nonlocal next_index, ramp_s
+        await starts[k].wait()
+        ramp_s = max(ramp_s, time.perf_counter() - started)
+        following = k + 1 < len(starts)
+        first = True
         while next_index < args.requests:
             index = next_index
             next_index += 1
             body = request_body(args, prompts[index % len(prompts)], index)
-            result = await one_request(client, url, body)
+            on_chunk = release(k + 1) if step and first and following else None
+            result = await one_request(client, url, body, on_chunk)
+            result.ramp = bool(step) and first
+            if following:
+                starts[k + 1].set()  # the request ended short of `step` chunks: no waiting
+            first = False
             results.append(result)
             bar.update(1)
             if not result.ok:
                 bar.set_postfix(errors=sum(not r.ok for r in results), refresh=False)
+        if following:
+            starts[k + 1].set()  # no request left for this worker
 
     async with httpx.AsyncClient(
         headers=headers, limits=limits, timeout=timeout, trust_env=False
     ) as client:
         started = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
+        await asyncio.gather(*(worker(client, k) for k in range(args.concurrency)))
         wall = time.perf_counter() - started
     bar.close()
-    return summarize(args, results, wall)
+    return summarize(args, results, wall, ramp_s)
+
+
+def stagger_tokens(args: argparse.Namespace) -> int:
+    """Chunks a worker's first request streams before the next worker starts (0: all at once)."""
+    if not getattr(args, "stagger", False) or args.concurrency < 2:
+        return 0
+    return math.ceil(int(args.max_tokens) / int(args.concurrency))
 
 
 def summarize(
-    args: argparse.Namespace, results: list[RequestResult], wall: float
+    args: argparse.Namespace, results: list[RequestResult], wall: float, ramp_s: float = 0.0
 ) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
-    ttft = [r.ttft_s * 1000 for r in ok]
-    gaps = [g * 1000 for r in ok for g in r.gaps_s]
+    # The latency figures leave the ramp out (if anything is left after it).
+    measured = [r for r in ok if not r.ramp] or ok
+    ttft = [r.ttft_s * 1000 for r in measured]
+    gaps = [g * 1000 for r in measured for g in r.gaps_s]
     tokens = [r.tokens for r in ok]
     errors = [r.error for r in results if not r.ok]
 
@@ -263,6 +314,9 @@ def summarize(
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "busy": args.busy,
+        "stagger_tokens": stagger_tokens(args),
+        "ramp_s": round(ramp_s, 3),
+        "measured_requests": len(measured),
         "top_logprobs": getattr(args, "top_logprobs", None),
         "json_schema": None
         if getattr(args, "json_schema", None) is None
@@ -283,7 +337,7 @@ def summarize(
         "logprob_tokens": sum(r.logprob_tokens for r in ok),
         "ttft_ms": ms(ttft, 50, 95, 99),
         "itl_ms": ms(gaps, 50, 99),
-        "latency_ms": ms([r.latency_s * 1000 for r in ok], 50, 99),
+        "latency_ms": ms([r.latency_s * 1000 for r in measured], 50, 99),
     }
 
 
@@ -301,6 +355,15 @@ def format_report(report: dict[str, Any]) -> str:
         f"   ({report['output_tokens']} tokens, {per['mean']} per request,"
         f" min {per['min']} max {per['max']})",
         f"  requests/s       {report['requests_per_s']:.2f}",
+        *(
+            [
+                f"  stagger          workers started {report['stagger_tokens']} tokens apart "
+                f"(ramp {report['ramp_s']:.2f} s); TTFT, inter-token and latency over the "
+                f"{report['measured_requests']} requests after each worker's first"
+            ]
+            if report.get("stagger_tokens")
+            else []
+        ),
         *(
             [f"  logprob tokens   {report['logprob_tokens']}"]
             if report.get("top_logprobs") is not None
@@ -386,6 +449,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         metavar="FILE",
         help="a system message (FILE's text) before every prompt",
+    )
+    p.add_argument(
+        "--stagger",
+        action="store_true",
+        help="start the workers one after another, each once the one before has streamed "
+        "MAX_TOKENS/CONCURRENCY tokens, so requests arrive spread out instead of in waves; "
+        "the workers' first requests are left out of the latency percentiles",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

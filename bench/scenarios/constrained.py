@@ -1,4 +1,4 @@
-"""``make bench``'s structured-output section: what a JSON-schema constraint costs.
+"""Structured outputs: what a JSON-schema constraint costs (``--no-constrained`` skips it).
 
 One tokenmill server at c=16: each plain run next to one where every request is
 constrained by ``bench/schemas/people.json`` (an array of 1,000 objects with strings,
@@ -15,14 +15,17 @@ sequence per step).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-SCHEMA = Path(__file__).parent / "schemas" / "people.json"
+from load import plan_line
+from scenario import Bench
+from servers import ROOT, SLOTS, log, tokenmill_server
+
+SCHEMA = ROOT / "bench" / "schemas" / "people.json"
 CONSTRAINED = "tokenmill-json-schema"
 RATIO_TARGET = 0.95
 MASK_TOKENS = 400
@@ -72,53 +75,6 @@ def mask_cost(tokens: int = MASK_TOKENS) -> dict[str, Any]:
         ll.llama_model_free(model)
 
 
-def section(
-    reps: int,
-    slots: int,
-    start: Callable[[], Any],
-    run: Callable[[Any, tuple[str, ...]], dict[str, Any]],
-    log: Callable[[str], None],
-    tmp: Path,
-) -> dict[str, Any]:
-    """Interleaved plain / constrained runs at c=``slots`` on the server ``start()``
-    gives (``run(server, tokenmill bench arguments)`` makes one run), and the mask's
-    own cost.
-
-    Both kinds of run send the same system message naming the schema, so both
-    prefill the same prompts and the difference is the constraint alone (a request
-    whose messages do not name its schema gets it added: a cost of its own, in
-    prompt tokens).
-    """
-    out: dict[str, Any] = {"reps": reps, "schema": SCHEMA.name}
-    system = tmp / "constrained-system.txt"
-    schema_text = json.dumps(json.loads(SCHEMA.read_text()))
-    system.write_text(f"Respond with JSON only, following this JSON schema:\n{schema_text}")
-    plain_args = ("--system", str(system))
-    constrained_args = (*plain_args, "--json-schema", str(SCHEMA))
-    plain: list[dict[str, Any]] = []
-    constrained: list[dict[str, Any]] = []
-    server = start()
-    try:
-        for rep in range(reps):
-            order = [False, True] if rep % 2 == 0 else [True, False]
-            for constrain in order:
-                report = run(server, constrained_args if constrain else plain_args)
-                (constrained if constrain else plain).append(report)
-                log(
-                    f"rep {rep + 1}/{reps} c={slots} "
-                    f"{'json-schema' if constrain else 'plain':<11} "
-                    f"{report['output_tokens_per_s']:7.1f} tok/s  "
-                    f"TTFT p50 {report['ttft_ms']['p50']:7.1f} ms  errors {report['errors']}"
-                )
-    except KeyboardInterrupt:
-        out["interrupted"] = True
-    finally:
-        server.stop()
-    out["cost"] = cost(plain, constrained)
-    out["mask"] = mask_cost()
-    return out
-
-
 def cost(plain: list[dict[str, Any]], constrained: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not plain or not constrained:
         return None
@@ -142,6 +98,70 @@ def cost(plain: list[dict[str, Any]], constrained: list[dict[str, Any]]) -> dict
     }
 
 
+class Constrained:
+    """Interleaved plain / constrained runs at c=SLOTS on one tokenmill server, and the
+    mask's own cost.
+
+    Both kinds of run send the same system message naming the schema, so both
+    prefill the same prompts and the difference is the constraint alone (a request
+    whose messages do not name its schema gets it added: a cost of its own, in
+    prompt tokens).
+    """
+
+    name = "constrained"
+    about = (
+        f"tokenmill's c={SLOTS} runs with and without a JSON-schema constraint "
+        "(bench/schemas/people.json), interleaved on one server, and the mask's own cost"
+    )
+    default = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        pass
+
+    def run(self, bench: Bench) -> None:
+        log("structured outputs: plain and JSON-schema runs on one tokenmill, in turn")
+        out: dict[str, Any] = {"reps": bench.reps, "schema": SCHEMA.name}
+        bench.results[self.name] = out
+        system = bench.tmp / "constrained-system.txt"
+        schema_text = json.dumps(json.loads(SCHEMA.read_text()))
+        system.write_text(f"Respond with JSON only, following this JSON schema:\n{schema_text}")
+        plain_args = ("--system", str(system))
+        constrained_args = (*plain_args, "--json-schema", str(SCHEMA))
+        plain: list[dict[str, Any]] = []
+        constrained: list[dict[str, Any]] = []
+        server = tokenmill_server("tokenmill", bench.tmp, files="tokenmill-constrained")
+        try:
+            server.start()
+            for rep in range(bench.reps):
+                order = [False, True] if rep % 2 == 0 else [True, False]
+                for constrain in order:
+                    report = bench.run(
+                        server, SLOTS, extra=constrained_args if constrain else plain_args
+                    )
+                    (constrained if constrain else plain).append(report)
+                    log(
+                        f"rep {rep + 1}/{bench.reps} c={SLOTS} "
+                        f"{'json-schema' if constrain else 'plain':<11} "
+                        f"{report['output_tokens_per_s']:7.1f} tok/s  "
+                        f"TTFT p50 {report['ttft_ms']['p50']:7.1f} ms  errors {report['errors']}"
+                    )
+        except KeyboardInterrupt:
+            out["interrupted"] = True
+            bench.results["interrupted"] = True
+        finally:
+            server.stop()
+        out["cost"] = cost(plain, constrained)
+        out["mask"] = mask_cost()
+
+    def table(self, results: dict[str, Any]) -> str | None:
+        if self.name not in results:
+            return None
+        return table(results, SLOTS)
+
+
+SCENARIO = Constrained()
+
+
 def table(results: dict[str, Any], slots: int) -> str:
     section = results["constrained"]
     rows = [
@@ -149,6 +169,7 @@ def table(results: dict[str, Any], slots: int) -> str:
         f"tokenmill with and without a JSON-schema constraint ({section['schema']}): "
         f"{results['model_file']}, {results['threads']} threads, max_tokens "
         f"{results['max_tokens']}, {section['reps']} runs each at c={slots} (medians)",
+        plan_line([slots], results["max_tokens"], results["lockstep"]),
         "",
     ]
     c, m = section["cost"], section["mask"]
@@ -174,7 +195,3 @@ def table(results: dict[str, Any], slots: int) -> str:
             f"(target >= {RATIO_TARGET:.2f})",
         ]
     return "\n".join(rows)
-
-
-def dumps(results: dict[str, Any]) -> str:
-    return json.dumps(results, indent=2)

@@ -1,0 +1,18 @@
+"""The scenarios of ``make bench``, in the order they run and print: add a new one here.
+
+Each entry is a module of this package with a ``SCENARIO`` satisfying
+``scenario.Scenario`` (see ``bench/README.md``).
+"""
+
+from __future__ import annotations
+
+from scenario import Scenario
+
+from . import constrained, logprobs, ray, versus
+
+SCENARIOS: tuple[Scenario, ...] = (
+    versus.SCENARIO,
+    logprobs.SCENARIO,
+    constrained.SCENARIO,
+    ray.SCENARIO,
+)
