@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from scenario import Scenario
 
-from . import constrained, logprobs, ray, versus
+from . import constrained, fairness, logprobs, ray, versus
 
 SCENARIOS: tuple[Scenario, ...] = (
     versus.SCENARIO,
     logprobs.SCENARIO,
     constrained.SCENARIO,
     ray.SCENARIO,
+    fairness.SCENARIO,
 )

@@ -22,9 +22,9 @@ still open at the end of a window are cancelled (and billed for what they produc
 At the end the books are checked: no hold left open, and every account's balance is
 its credit less the sum of its receipts.
 
-Run: ``python bench/fairness.py [--seconds 30] [--flood 16] [--slots 4]``; the
+Run alone: ``python bench/scenarios/fairness.py [--seconds 30] [--flood 16] [--slots 4]``; the
 results are printed and written as JSON to ``--out`` (default
-``.bench-cache/fairness.json``).
+``.bench-cache/fairness.json``); ``make bench`` runs it as the scenario ``fairness``.
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:  # the runner's; this module also runs alone
+    from scenario import Bench
 
 ADMIN_KEY = "bench-fairness-admin"
 CREDIT = 10**12  # micro-units: no tenant runs out in a benchmark
@@ -440,18 +443,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Start the gateway in ``tmp``, run every window, stop it: the results."""
+    gateway = Gateway(args, tmp)
+    try:
+        gateway.wait_ready()
+        with httpx.Client(
+            base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=60.0
+        ) as admin:
+            return asyncio.run(run(args, gateway.url, admin))
+    finally:
+        gateway.stop()
+
+
+class Fairness:
+    """This module as a scenario of ``make bench`` (``--only-fairness``, ``--no-fairness``)."""
+
+    name = "fairness"
+    about = (
+        "fair share against FIFO: a flooding tenant beside a light one, and three "
+        "backlogged tenants weighted 1:1:2 (issue 27)"
+    )
+    default = True
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--fairness-seconds", type=float, default=30.0, help="each fairness window's length"
+        )
+        parser.add_argument(
+            "--fairness-flood", type=int, default=16, help="the flooding tenant's open streams"
+        )
+        parser.add_argument(
+            "--fairness-reps", type=int, default=2, help="flood windows per admission mode"
+        )
+
+    def run(self, bench: Bench) -> None:
+        a = bench.args
+        flags = {"--seconds": a.fairness_seconds, "--flood": a.fairness_flood}
+        flags |= {"--reps": a.fairness_reps, "--model": bench.gguf}
+        args = parse_args([str(x) for pair in flags.items() for x in pair])
+        tmp = bench.tmp / "fairness"
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            bench.results[self.name] = measure(args, tmp)
+        except KeyboardInterrupt:
+            bench.results["interrupted"] = True
+
+    def table(self, results: dict[str, Any]) -> str | None:
+        section = results.get(self.name)
+        return None if section is None else report(section)
+
+
+SCENARIO = Fairness()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tm-fairness-") as tmp:
-        gateway = Gateway(args, Path(tmp))
-        try:
-            gateway.wait_ready()
-            with httpx.Client(
-                base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=60.0
-            ) as admin:
-                results = asyncio.run(run(args, gateway.url, admin))
-        finally:
-            gateway.stop()
+        results = measure(args, Path(tmp))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(report(results))
