@@ -36,10 +36,13 @@ from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenmill.server.admin import router as admin_router
 from tokenmill.server.auth import Auth, KeyCache
 from tokenmill.server.errors import (
+    ANTHROPIC_TYPES,
+    anthropic_body,
     error_response,
     from_validation_error,
     handle_tokenmill_error,
     handle_unexpected,
+    speaks_anthropic,
 )
 from tokenmill.server.openapi import document, json_response
 from tokenmill.server.protocol import Health, HealthDetail
@@ -164,11 +167,16 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return error_response(
-                NotFoundError(f"no route {request.method} {request.url.path}", code="unknown_url")
+                NotFoundError(f"no route {request.method} {request.url.path}", code="unknown_url"),
+                request.url.path,
             )
         err = TokenmillError(str(exc.detail))
-        body = err.to_openai_body()
-        body["error"]["type"] = "invalid_request_error"
+        if speaks_anthropic(request.url.path):
+            body = anthropic_body(err)
+            body["error"]["type"] = ANTHROPIC_TYPES.get(exc.status_code, "invalid_request_error")
+        else:
+            body = err.to_openai_body()
+            body["error"]["type"] = "invalid_request_error"
         return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -176,7 +184,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
         # A path or query parameter of the wrong type: the same 400 as a bad body field,
         # naming the parameter without its place ("limit", not "query.limit").
         errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in exc.errors()]
-        return error_response(from_validation_error(errors))
+        return error_response(from_validation_error(errors), request.url.path)
 
     @app.get(
         "/health",
