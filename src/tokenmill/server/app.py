@@ -32,6 +32,7 @@ from tokenmill.gateway.core import Gateway, new_request_id
 from tokenmill.gateway.metering import ANONYMOUS
 from tokenmill.ledger import build_ledger
 from tokenmill.ledger.meter import LedgerMeter
+from tokenmill.ledger.responses import ResponseStore
 from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenmill.server.admin import router as admin_router
 from tokenmill.server.auth import Auth, KeyCache
@@ -44,8 +45,10 @@ from tokenmill.server.errors import (
     handle_unexpected,
     speaks_anthropic,
 )
+from tokenmill.server.messages.router import router as messages_router
 from tokenmill.server.openapi import document, json_response
 from tokenmill.server.protocol import Health, HealthDetail
+from tokenmill.server.responses.router import router as responses_router
 from tokenmill.server.routes import router
 
 log = logging.getLogger("tokenmill.server")
@@ -159,6 +162,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.ledger = ledger
     app.state.key_cache = KeyCache(ledger)
+    app.state.responses = ResponseStore(ledger, settings.responses_retention_s)
     app.state.load_error = False
     app.add_exception_handler(TokenmillError, handle_tokenmill_error)
     app.add_exception_handler(Exception, handle_unexpected)
@@ -218,6 +222,8 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     app.mount("/playground", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
     app.include_router(router)
+    app.include_router(responses_router)
+    app.include_router(messages_router)
     app.include_router(admin_router)
     app.add_middleware(Auth, admin_key=settings.admin_key, keys=app.state.key_cache)
     app.add_middleware(RequestContext)

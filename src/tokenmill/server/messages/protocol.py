@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from tokenmill.server.bodies import unsupported
+from tokenmill.server.intake import unsupported
 
 # Anthropic's rule for a tool's name.
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
@@ -34,6 +34,12 @@ MAX_TOOLS = 128
 MAX_STOP_SEQUENCES = 16
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
+# The tags of the unions below (a block, a tool picked by its ``type``): a 400 names
+# the field without them (tokenmill.server.intake.parse_body).
+TAGS = frozenset(
+    {"block:text", "block:tool_use", "block:tool_result", "block:other"}
+    | {"tool:custom", "tool:other"}
+)
 
 
 class _Model(BaseModel):
@@ -90,14 +96,14 @@ class UnsupportedBlock(_Model):
 
 def _block_tag(value: Any) -> str:
     kind = _kind(value)
-    return kind if kind in ("text", "tool_use", "tool_result") else "other"
+    return f"block:{kind}" if kind in ("text", "tool_use", "tool_result") else "block:other"
 
 
 ContentBlock = Annotated[
-    Annotated[TextBlock, Tag("text")]
-    | Annotated[ToolUseBlock, Tag("tool_use")]
-    | Annotated[ToolResultBlock, Tag("tool_result")]
-    | Annotated[UnsupportedBlock, Tag("other")],
+    Annotated[TextBlock, Tag("block:text")]
+    | Annotated[ToolUseBlock, Tag("block:tool_use")]
+    | Annotated[ToolResultBlock, Tag("block:tool_result")]
+    | Annotated[UnsupportedBlock, Tag("block:other")],
     Discriminator(_block_tag),
 ]
 
@@ -134,8 +140,8 @@ class ServerTool(_Model):
 
 
 Tool = Annotated[
-    Annotated[CustomTool, Tag("custom")] | Annotated[ServerTool, Tag("other")],
-    Discriminator(lambda v: "custom" if _kind(v) in (None, "custom") else "other"),
+    Annotated[CustomTool, Tag("tool:custom")] | Annotated[ServerTool, Tag("tool:other")],
+    Discriminator(lambda v: "tool:custom" if _kind(v) in (None, "custom") else "tool:other"),
 ]
 
 

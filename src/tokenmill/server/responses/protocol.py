@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from tokenmill.server.bodies import unsupported
+from tokenmill.server.intake import unsupported
 
 # OpenAI's rule for a function's name: what the model writes and the client dispatches on.
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
@@ -38,6 +38,13 @@ MAX_INPUT_ITEMS = 2048
 MAX_METADATA = 16
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
+# The tags of the unions below (an item, a part, a tool picked by its ``type``): a
+# 400 names the field without them (tokenmill.server.intake.parse_body).
+TAGS = frozenset(
+    {"part:text", "part:refusal", "part:other", "item:message", "item:function_call"}
+    | {"item:function_call_output", "item:other", "tool:function", "tool:other"}
+    | {"choice:str", "choice:dict"}
+)
 
 
 class _Model(BaseModel):
@@ -74,14 +81,14 @@ class UnsupportedPart(_Model):
 def _part_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     if kind in ("input_text", "output_text", "text"):
-        return "text"
-    return "refusal" if kind == "refusal" else "other"
+        return "part:text"
+    return "part:refusal" if kind == "refusal" else "part:other"
 
 
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("text")]
-    | Annotated[RefusalPart, Tag("refusal")]
-    | Annotated[UnsupportedPart, Tag("other")],
+    Annotated[TextPart, Tag("part:text")]
+    | Annotated[RefusalPart, Tag("part:refusal")]
+    | Annotated[UnsupportedPart, Tag("part:other")],
     Discriminator(_part_tag),
 ]
 
@@ -151,14 +158,15 @@ class UnsupportedItem(_Model):
 
 def _item_tag(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "")
-    return kind if kind in ("message", "function_call", "function_call_output") else "other"
+    known = kind in ("message", "function_call", "function_call_output")
+    return f"item:{kind}" if known else "item:other"
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[UnsupportedItem, Tag("other")],
+    Annotated[MessageItem, Tag("item:message")]
+    | Annotated[FunctionCallItem, Tag("item:function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("item:function_call_output")]
+    | Annotated[UnsupportedItem, Tag("item:other")],
     Discriminator(_item_tag),
 ]
 
@@ -189,13 +197,16 @@ class BuiltinToolParam(_Model):
         raise unsupported(f"the built-in tool {v!r}", "offer function tools only")
 
 
+def _tool_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "tool:function" if kind == "function" else "tool:other"
+
+
 ToolParam = Annotated[
-    Annotated[FunctionToolParam, Tag("function")] | Annotated[BuiltinToolParam, Tag("other")],
-    Discriminator(
-        lambda v: "function" if (v.get("type") if isinstance(v, dict) else v.type) == "function"
-        else "other"
-    ),
-]  # fmt: skip
+    Annotated[FunctionToolParam, Tag("tool:function")]
+    | Annotated[BuiltinToolParam, Tag("tool:other")],
+    Discriminator(_tool_tag),
+]
 
 
 class NamedFunctionChoice(_Model):
@@ -206,9 +217,9 @@ class NamedFunctionChoice(_Model):
 
 
 ToolChoiceParam = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("str")]
-    | Annotated[NamedFunctionChoice, Tag("dict")],
-    Discriminator(lambda v: "str" if isinstance(v, str) else "dict"),
+    Annotated[Literal["none", "auto", "required"], Tag("choice:str")]
+    | Annotated[NamedFunctionChoice, Tag("choice:dict")],
+    Discriminator(lambda v: "choice:str" if isinstance(v, str) else "choice:dict"),
 ]
 
 

@@ -1,4 +1,5 @@
-"""Reading a JSON request body into its wire model, for the agent APIs' routes.
+"""Taking a request in, for the agent APIs' routes: its JSON body read into its wire
+model, and the gateway that serves it.
 
 A bad body is a 400 naming the field, as everywhere (:func:`~tokenmill.server.errors.
 from_validation_error`); the tags of the unions that pick an item or a block by its
@@ -17,7 +18,8 @@ from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
 from tokenmill import stages
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, UnavailableError
+from tokenmill.gateway.core import Gateway
 from tokenmill.server.errors import from_validation_error, read_body
 from tokenmill.server.refused import UNSUPPORTED
 
@@ -53,3 +55,11 @@ async def parse_body(request: Request, model: type[M], tags: Collection[str] = (
 
 def _untagged(error: Any, tags: Collection[str]) -> dict[str, Any]:
     return {**error, "loc": tuple(p for p in error["loc"] if p not in tags)}
+
+
+def ready_gateway(request: Request) -> Gateway:
+    """The app's gateway, once its models are loaded (a 503 before)."""
+    gateway: Gateway = request.app.state.gateway
+    if not gateway.ready:
+        raise UnavailableError("the gateway is still loading its models; retry shortly")
+    return gateway
