@@ -47,9 +47,14 @@ def speaks_anthropic(path: str) -> bool:
 
 
 def anthropic_body(exc: TokenmillError) -> dict[str, Any]:
-    """``exc`` as Anthropic's error body (also its stream's ``error`` event)."""
+    """``exc`` as Anthropic's error body (also its stream's ``error`` event). The body
+    has no ``param``: the message names the field, as Anthropic's do
+    (``messages.1.content: ...``)."""
     kind = ANTHROPIC_TYPES.get(exc.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+    message = exc.message
+    if exc.param and f"'{exc.param}'" not in message:
+        message = f"{exc.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def error_response(exc: TokenmillError, path: str = "") -> JSONResponse:
