@@ -48,6 +48,8 @@ DEFAULT_CLIENT_TIMEOUT_S = 30.0
 # one more after each further period): long enough that interactive traffic keeps
 # its edge under a burst, short enough that batch work still moves when overloaded.
 DEFAULT_PROMOTE_AFTER_S = 10.0
+# How long a stored response (the Responses API's ``store``) is kept: OpenAI's 30 days.
+DEFAULT_RESPONSES_RETENTION_S = 30 * 24 * 3600.0
 
 
 class ConfigError(Exception):
@@ -366,6 +368,11 @@ class Settings(BaseModel):
     metrics_per_account: bool = False
     drain_s: float = Field(default=DEFAULT_DRAIN_S, ge=0)
     client_timeout_s: float = Field(default=DEFAULT_CLIENT_TIMEOUT_S, gt=0)
+    # Stored responses (POST /v1/responses with ``store``) are deleted this long after
+    # they were made; a conversation cannot continue from one past it.
+    responses_retention_s: float = Field(
+        default=DEFAULT_RESPONSES_RETENTION_S, gt=0, allow_inf_nan=False
+    )
     # The Ray cluster of deployments with placement = "ray": "local" starts a private
     # Ray instance in this host (also what such deployments get when this is unset),
     # anything else is given to ray.init: "auto", "ray://head:10001", ...
@@ -425,6 +432,7 @@ _ENV_KEYS = (
     "metrics_per_account",
     "drain_s",
     "client_timeout_s",
+    "responses_retention_s",
     "ray_address",
 )
 

@@ -47,7 +47,15 @@ CALL_TIMEOUT_S = 30.0
 POSITIVE_EXAMPLES = 20
 NEGATIVE_EXAMPLES = 10
 STATEFUL_EXAMPLES = 15
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/predict")
+GENERATION_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/predict",
+    "/v1/responses",
+    "/v1/messages",
+)
+# The output limit's name where it is not max_tokens.
+LIMIT_FIELDS = {"/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens"}
 # Embedding requests are held to a few short inputs, for the same reason.
 EMBEDDINGS_PATH = "/v1/embeddings"
 FUZZ_INPUTS = 2
@@ -126,11 +134,13 @@ def shape_generation(case: AnyCase) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(limit := body.get(field), int):
             body[field] = min(limit, FUZZ_MAX_TOKENS)
-    if body.get("max_tokens") is None:
-        body["max_tokens"] = FUZZ_MAX_TOKENS
+    limit_field = LIMIT_FIELDS.get(case.path, "max_tokens")
+    # Messages' max_tokens is required: a case without it stays without it (a 400).
+    if body.get(limit_field) is None and case.path != "/v1/messages":
+        body[limit_field] = FUZZ_MAX_TOKENS
     if isinstance(model := body.get("model"), str):
         body["model"] = _mostly_served(model)
 

@@ -178,6 +178,11 @@ class SqlLedger:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._transact, fn)
 
+    async def transact(self, fn: Callable[[Tx], T]) -> T:
+        """Run ``fn`` as one transaction on a worker thread: for the stores that keep
+        their tables in the ledger's database (:mod:`tokenmill.ledger.responses`)."""
+        return await self._run(fn)
+
     async def open(self) -> None:
         await self._run(self._migrate)
         now = self.clock()
@@ -604,6 +609,8 @@ class SqlLedger:
                 (cutoff, self.gateway_id),
             )
             tx.run("DELETE FROM rate_windows WHERE rate_window < ?", (old_window,))
+            # Stored responses past their retention (tokenmill.ledger.responses).
+            tx.run("DELETE FROM responses WHERE expires <= ?", (self.clock(),))
 
         await self._run(tidy)
         return swept

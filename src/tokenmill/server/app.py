@@ -32,17 +32,23 @@ from tokenmill.gateway.core import Gateway, new_request_id
 from tokenmill.gateway.metering import ANONYMOUS
 from tokenmill.ledger import build_ledger
 from tokenmill.ledger.meter import LedgerMeter
+from tokenmill.ledger.responses import ResponseStore
 from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenmill.server.admin import router as admin_router
 from tokenmill.server.auth import Auth, KeyCache
 from tokenmill.server.errors import (
+    ANTHROPIC_TYPES,
+    anthropic_body,
     error_response,
     from_validation_error,
     handle_tokenmill_error,
     handle_unexpected,
+    speaks_anthropic,
 )
+from tokenmill.server.messages.router import router as messages_router
 from tokenmill.server.openapi import document, json_response
 from tokenmill.server.protocol import Health, HealthDetail
+from tokenmill.server.responses.router import router as responses_router
 from tokenmill.server.routes import router
 
 log = logging.getLogger("tokenmill.server")
@@ -156,6 +162,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.ledger = ledger
     app.state.key_cache = KeyCache(ledger)
+    app.state.responses = ResponseStore(ledger, settings.responses_retention_s)
     app.state.load_error = False
     app.add_exception_handler(TokenmillError, handle_tokenmill_error)
     app.add_exception_handler(Exception, handle_unexpected)
@@ -164,11 +171,16 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return error_response(
-                NotFoundError(f"no route {request.method} {request.url.path}", code="unknown_url")
+                NotFoundError(f"no route {request.method} {request.url.path}", code="unknown_url"),
+                request.url.path,
             )
         err = TokenmillError(str(exc.detail))
-        body = err.to_openai_body()
-        body["error"]["type"] = "invalid_request_error"
+        if speaks_anthropic(request.url.path):
+            body = anthropic_body(err)
+            body["error"]["type"] = ANTHROPIC_TYPES.get(exc.status_code, "invalid_request_error")
+        else:
+            body = err.to_openai_body()
+            body["error"]["type"] = "invalid_request_error"
         return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -176,7 +188,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
         # A path or query parameter of the wrong type: the same 400 as a bad body field,
         # naming the parameter without its place ("limit", not "query.limit").
         errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in exc.errors()]
-        return error_response(from_validation_error(errors))
+        return error_response(from_validation_error(errors), request.url.path)
 
     @app.get(
         "/health",
@@ -210,6 +222,8 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     app.mount("/playground", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
     app.include_router(router)
+    app.include_router(responses_router)
+    app.include_router(messages_router)
     app.include_router(admin_router)
     app.add_middleware(Auth, admin_key=settings.admin_key, keys=app.state.key_cache)
     app.add_middleware(RequestContext)

@@ -2,10 +2,11 @@
 
 With ``admin_key`` unset the gateway is open (local use): every caller is the
 anonymous account. With it set, ``/v1``, ``/tokenize``, ``/detokenize`` and
-``/tokenizer_info`` need ``Authorization: Bearer <key>`` and ``/admin`` needs the
-admin key. Keys are looked up by their SHA-256, cached for a moment to keep the hot
-path off the database; revocation still bites at once where it matters, because
-every hold re-checks the key inside its transaction.
+``/tokenizer_info`` need ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``,
+as Anthropic's clients send it) and ``/admin`` needs the admin key. Keys are looked
+up by their SHA-256, cached for a moment to keep the hot path off the database;
+revocation still bites at once where it matters, because every hold re-checks the
+key inside its transaction.
 
 A presented key is never compared with a secret character by character: the admin key
 is compared as SHA-256 digests with :func:`hmac.compare_digest` (constant time, and
@@ -100,15 +101,18 @@ def _key_in_query(scope: Scope) -> bool:
     return not names.isdisjoint(KEY_PARAMS)
 
 
-def _bearer(scope: Scope) -> str | None:
+def _presented_key(scope: Scope) -> str | None:
+    """The key sent as ``Authorization: Bearer <key>`` or, as Anthropic's clients send
+    it, ``x-api-key: <key>`` (the bearer wins if both are sent)."""
+    bearer = api_key = None
     for name, value in scope["headers"]:
-        if name == b"authorization":
-            text: str = value.decode("latin-1")
-            scheme, _, token = text.partition(" ")
+        if name == b"authorization" and bearer is None:
+            scheme, _, token = value.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-            return None
-    return None
+                bearer = token.strip()
+        elif name == b"x-api-key" and api_key is None:
+            api_key = value.decode("latin-1").strip() or None
+    return bearer or api_key
 
 
 class Auth:
@@ -124,7 +128,7 @@ class Auth:
             try:
                 caller = await self._caller(scope)
             except TokenmillError as e:
-                await error_response(e)(scope, receive, send)
+                await error_response(e, scope["path"])(scope, receive, send)
                 return
             if caller is not None:
                 scope.setdefault("state", {})["caller"] = caller
@@ -144,10 +148,11 @@ class Auth:
                 "send 'Authorization: Bearer <key>' and revoke the key you sent",
                 code="api_key_in_query",
             )
-        token = _bearer(scope)
+        token = _presented_key(scope)
         if token is None:
             raise AuthenticationError(
-                "missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key"
+                "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                code="missing_api_key",
             )
         if same_key(token, self.admin_digest):
             return ADMIN

@@ -1,4 +1,10 @@
-"""The one mapping from exceptions to OpenAI error responses. Never a stack trace."""
+"""The one mapping from exceptions to error responses. Never a stack trace.
+
+Every route answers OpenAI's body (``{"error": {"message", "type", "param",
+"code"}}``) except Anthropic's Messages API (``/v1/messages...``), which answers
+Anthropic's (``{"type": "error", "error": {"type", "message"}}``): its clients read
+no other. The status is the same either way.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +27,40 @@ from tokenmill.server.refused import UNSUPPORTED
 log = logging.getLogger("tokenmill.server")
 
 
-def error_response(exc: TokenmillError) -> JSONResponse:
-    return JSONResponse(exc.to_openai_body(), status_code=exc.status, headers=exc.headers())
+# Anthropic's error type for each status tokenmill answers with.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether ``path`` is Anthropic's Messages API, whose errors are in its shape."""
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_body(exc: TokenmillError) -> dict[str, Any]:
+    """``exc`` as Anthropic's error body (also its stream's ``error`` event). The body
+    has no ``param``: the message names the field, as Anthropic's do
+    (``messages.1.content: ...``)."""
+    kind = ANTHROPIC_TYPES.get(exc.status, "api_error")
+    message = exc.message
+    if exc.param and f"'{exc.param}'" not in message:
+        message = f"{exc.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_response(exc: TokenmillError, path: str = "") -> JSONResponse:
+    """The response to ``exc`` on ``path``, in the shape that path's API speaks."""
+    body = anthropic_body(exc) if speaks_anthropic(path) else exc.to_openai_body()
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers())
 
 
 def from_validation_error(errors: Sequence[Mapping[str, Any]]) -> InvalidRequestError:
@@ -68,9 +106,10 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 async def handle_tokenmill_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, TokenmillError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(TokenmillError("internal error; the request was not processed"))
+    error = TokenmillError("internal error; the request was not processed")
+    return error_response(error, request.url.path)

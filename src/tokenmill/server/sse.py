@@ -31,6 +31,12 @@ def encode_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
+def encode_typed_event(payload: dict[str, Any]) -> bytes:
+    """An event named by its payload's ``type`` (``event: <type>`` then its ``data``),
+    as the Responses and Messages APIs send them."""
+    return f"event: {payload['type']}\n".encode() + encode_event(payload)
+
+
 async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
     while True:
         message = await receive()

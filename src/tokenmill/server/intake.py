@@ -1,0 +1,65 @@
+"""Taking a request in, for the agent APIs' routes: its JSON body read into its wire
+model, and the gateway that serves it.
+
+A bad body is a 400 naming the field, as everywhere (:func:`~tokenmill.server.errors.
+from_validation_error`); the tags of the unions that pick an item or a block by its
+``type`` are dropped from the name (``input.2.content``, not
+``input.2.message.content``). :func:`unsupported` is the error of a field or value
+tokenmill does not implement (code ``unsupported_parameter``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticCustomError
+from starlette.requests import Request
+
+from tokenmill import stages
+from tokenmill.errors import InvalidRequestError, UnavailableError
+from tokenmill.gateway.core import Gateway
+from tokenmill.server.errors import from_validation_error, read_body
+from tokenmill.server.refused import UNSUPPORTED
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def unsupported(what: str, advice: str = "leave it out") -> PydanticCustomError:
+    """The validation error of something tokenmill does not implement."""
+    # The message is a template: the JSON braces travel in its context.
+    detail = f"tokenmill does not support {what}; {advice}"
+    return PydanticCustomError(UNSUPPORTED, "{detail}", {"detail": detail})
+
+
+async def parse_body(request: Request, model: type[M], tags: Collection[str] = ()) -> M:
+    """The request's body as ``model``; ``tags``: the union tags to drop from names."""
+    body = await read_body(request, request.app.state.settings.max_body_bytes)
+    if not body.strip():
+        raise InvalidRequestError("the request body is empty; send a JSON object")
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors()
+        if any(err["type"] == "json_invalid" for err in errors):
+            raise InvalidRequestError(
+                f"the request body is not valid JSON: {errors[0]['msg']}", code="invalid_json"
+            ) from None
+        if any(err["type"] == "model_type" and not err["loc"] for err in errors):
+            raise InvalidRequestError("the request body must be a JSON object") from None
+        raise from_validation_error([_untagged(err, tags) for err in errors]) from None
+    stages.mark("parsed")
+    return parsed
+
+
+def _untagged(error: Any, tags: Collection[str]) -> dict[str, Any]:
+    return {**error, "loc": tuple(p for p in error["loc"] if p not in tags)}
+
+
+def ready_gateway(request: Request) -> Gateway:
+    """The app's gateway, once its models are loaded (a 503 before)."""
+    gateway: Gateway = request.app.state.gateway
+    if not gateway.ready:
+        raise UnavailableError("the gateway is still loading its models; retry shortly")
+    return gateway

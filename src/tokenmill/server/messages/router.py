@@ -1,0 +1,107 @@
+"""Anthropic's Messages API routes: ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens``.
+
+Thin: parse the body, ask :mod:`~tokenmill.server.messages.serving`, send one JSON
+body or the events. Errors on these paths are in Anthropic's shape
+(:func:`tokenmill.server.errors.error_response` picks it by path); the key may come
+as ``x-api-key`` (:mod:`tokenmill.server.auth`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from tokenmill.engines.base import ChatMessage, TokenizeRequest
+from tokenmill.server.intake import parse_body, ready_gateway
+from tokenmill.server.messages import serving
+from tokenmill.server.messages.protocol import (
+    TAGS,
+    AnthropicError,
+    CountTokensRequest,
+    MessageObject,
+    MessagesRequest,
+    MessageStreamEvent,
+    TokenCount,
+)
+from tokenmill.server.openapi import ERROR_DESCRIPTIONS, USAGE_LINK, json_body, schema_of
+from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
+
+router = APIRouter()
+
+
+def anthropic_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """Anthropic's error body for each of ``statuses``, for a route's ``responses``."""
+    schema = schema_of(AnthropicError, "serialization")
+    return {
+        status: {
+            "description": ERROR_DESCRIPTIONS[status],
+            "content": {"application/json": {"schema": schema}},
+        }
+        for status in statuses
+    }
+
+
+_STREAM = {
+    "itemSchema": {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": schema_of(MessageStreamEvent, "serialization"),
+            },
+        },
+    }
+}
+
+
+@router.post(
+    "/v1/messages",
+    openapi_extra=json_body(MessagesRequest),
+    responses={
+        200: {
+            "description": "The message, or with `stream` its events, from "
+            "`message_start` to `message_stop`",
+            "content": {
+                "application/json": {"schema": schema_of(MessageObject, "serialization")},
+                "text/event-stream": _STREAM,
+            },
+            "links": USAGE_LINK,
+        },
+        **anthropic_errors(400, 402, 403, 404, 413, 429, 502, 503),
+    },
+)
+async def create_message(request: Request) -> Response:
+    body = await parse_body(request, MessagesRequest, TAGS)
+    gw = ready_gateway(request)
+    run = await serving.open_message(
+        gw, gw.deployment(body.model), body, request.state.request_id, request.state.caller
+    )
+    headers = {"x-request-id": run.request_id}
+    if body.stream:
+        return EventStreamResponse(run.events(), run.aclose, headers)
+    answer = await run_until_disconnect(request.receive, run.collect, run.aclose)
+    if answer is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(answer, headers=headers)
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    openapi_extra=json_body(CountTokensRequest),
+    responses={**anthropic_errors(400, 404, 413, 503)},
+)
+async def count_tokens(request: Request) -> TokenCount:
+    body = await parse_body(request, CountTokensRequest, TAGS)
+    deployment = ready_gateway(request).deployment(body.model)
+    turns = serving.conversation(body)
+    host = await deployment.any_host()
+    messages = tuple(ChatMessage(t.role, t.content) for t in turns)
+    tokens = await host.tokenize(TokenizeRequest(messages=messages))
+    return TokenCount(input_tokens=len(tokens))

@@ -1,0 +1,130 @@
+"""The Responses API's routes: ``POST /v1/responses`` and the stored responses
+(``GET``/``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``).
+
+Thin: parse the body, ask :mod:`~tokenmill.server.responses.serving`, send one JSON
+body or the events; the stream races the client leaving (the generation is then
+stopped and settled), as every generation route's does.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
+from tokenmill.ledger.responses import ResponseStore
+from tokenmill.server.intake import parse_body, ready_gateway
+from tokenmill.server.openapi import USAGE_LINK, errors, json_body, json_response, schema_of
+from tokenmill.server.responses import serving
+from tokenmill.server.responses.protocol import (
+    TAGS,
+    DeletedResponse,
+    InputItemList,
+    InputItemsQuery,
+    ResponseObject,
+    ResponsesRequest,
+    StreamEvent,
+)
+from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
+
+router = APIRouter()
+
+
+def store_of(request: Request) -> ResponseStore:
+    store: ResponseStore = request.app.state.responses
+    return store
+
+
+_STREAM = {
+    "itemSchema": {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": schema_of(StreamEvent, "serialization"),
+            },
+        },
+    }
+}
+
+
+@router.post(
+    "/v1/responses",
+    openapi_extra=json_body(ResponsesRequest),
+    responses={
+        200: {
+            "description": "The response, or with `stream` its events (`event:` names "
+            "each), ending with `response.completed`, `response.incomplete` or "
+            "`response.failed`",
+            "content": {
+                "application/json": {"schema": schema_of(ResponseObject, "serialization")},
+                "text/event-stream": _STREAM,
+            },
+            "links": USAGE_LINK,
+        },
+        **errors(400, 402, 403, 404, 413, 429, 502, 503),
+    },
+)
+async def create_response(request: Request) -> Response:
+    body = await parse_body(request, ResponsesRequest, TAGS)
+    gw = ready_gateway(request)
+    run = await serving.open_response(
+        gw,
+        gw.deployment(body.model),
+        body,
+        request.state.request_id,
+        request.state.caller,
+        store_of(request),
+    )
+    headers = {"x-request-id": run.request_id}
+    if body.stream:
+        return EventStreamResponse(run.events(), run.aclose, headers)
+    answer = await run_until_disconnect(request.receive, run.collect, run.aclose)
+    if answer is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    return JSONResponse(answer, headers=headers)
+
+
+@router.get(
+    "/v1/responses/{response_id}",
+    responses={
+        200: json_response(ResponseObject, "The stored response"),
+        **errors(404),
+    },
+)
+async def get_response(request: Request, response_id: str) -> JSONResponse:
+    answer = await serving.get_response(store_of(request), response_id, request.state.caller)
+    return JSONResponse(answer)
+
+
+@router.delete(
+    "/v1/responses/{response_id}",
+    responses={200: json_response(DeletedResponse, "Deleted"), **errors(404)},
+)
+async def delete_response(request: Request, response_id: str) -> JSONResponse:
+    answer = await serving.delete_response(store_of(request), response_id, request.state.caller)
+    return JSONResponse(answer)
+
+
+@router.get(
+    "/v1/responses/{response_id}/input_items",
+    responses={
+        200: json_response(InputItemList, "The conversation's items up to the response"),
+        **errors(400, 404),
+    },
+)
+async def list_input_items(
+    request: Request,
+    response_id: str,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> JSONResponse:
+    query = InputItemsQuery(limit=limit, order=order, after=after)
+    answer = await serving.input_items(store_of(request), response_id, request.state.caller, query)
+    return JSONResponse(answer)

@@ -1,0 +1,254 @@
+"""Serving OpenAI's Responses API: a request in, one generation of the core, a
+response (streamed as events, or whole) out, stored when asked.
+
+:func:`open_response` reads the conversation (the stored one of
+``previous_response_id``, owned by the caller's account, then the request's input),
+turns it into the core's :class:`~tokenmill.chat.request.ChatRequest` and opens it
+with :func:`tokenmill.chat.open_generation`: the gateway admits, holds credit and
+meters it exactly as any chat (the replayed history is prompt tokens). The returned
+:class:`ResponseRun` is sent by the router as events or as one body; either way the
+response is stored (``store``, the default) before its last event or its body leaves,
+so a client that continues at once finds it. Knows nothing of routes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tokenmill.chat import ChatRequest, FunctionTool, NamedTool, ResponseFormat, open_generation
+from tokenmill.chat.generation import Generation
+from tokenmill.chat.request import ToolChoice
+from tokenmill.engines.base import SamplingParams
+from tokenmill.errors import InvalidRequestError, NotFoundError, TokenmillError
+from tokenmill.gateway.core import Gateway
+from tokenmill.gateway.deployment import Deployment
+from tokenmill.gateway.metering import Caller
+from tokenmill.ledger.responses import ResponseStore
+from tokenmill.server.responses.events import ResponseEncoder
+from tokenmill.server.responses.items import new_id, output_items, stored_items, turns
+from tokenmill.server.responses.protocol import (
+    FunctionToolParam,
+    InputItemsQuery,
+    NamedFunctionChoice,
+    ResponsesRequest,
+)
+from tokenmill.server.sse import encode_typed_event
+
+
+def not_found(response_id: str) -> NotFoundError:
+    return NotFoundError(
+        f"no response {response_id!r}: it was never stored (store: false), was deleted, "
+        "has expired, or belongs to another account",
+        code="response_not_found",
+    )
+
+
+@dataclass
+class ResponseRun:
+    """One response being generated: send :meth:`events` or await :meth:`collect`, and
+    :meth:`aclose` always (it settles the bill)."""
+
+    generation: Generation
+    encoder: ResponseEncoder
+    store: ResponseStore | None  # None: not stored (store: false)
+    account_id: str
+    conversation: list[dict[str, Any]]  # the input items, history first
+
+    @property
+    def request_id(self) -> str:
+        return self.generation.request_id
+
+    async def _stored(self) -> None:
+        if self.store is not None:
+            await self.store.put(
+                self.encoder.response["id"], self.account_id, self.conversation,
+                self.encoder.response,
+            )  # fmt: skip
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The response's events; an error after streaming began ends it ``failed``."""
+        encoder = self.encoder
+        try:
+            for event in encoder.start():
+                yield encode_typed_event(event)
+            async for e in self.generation.events():
+                out = encoder.feed(e)
+                if out and out[-1]["type"] in ("response.completed", "response.incomplete"):
+                    await self._stored()
+                for event in out:
+                    yield encode_typed_event(event)
+        except TokenmillError as e:
+            for event in encoder.fail(e):
+                yield encode_typed_event(event)
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole response (its status ``failed`` if the replica failed midway)."""
+        encoder = self.encoder
+        encoder.start()
+        try:
+            async for e in self.generation.events():
+                encoder.feed(e)
+        except TokenmillError as e:
+            encoder.fail(e)
+            raise
+        await self._stored()
+        return encoder.response
+
+    async def aclose(self) -> None:
+        await self.generation.aclose()
+
+
+def _tool_choice(
+    choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None,
+) -> ToolChoice | None:
+    if isinstance(choice, NamedFunctionChoice):
+        return NamedTool(choice.name)
+    return choice
+
+
+def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatRequest:
+    """The core's request for ``body`` over ``conversation`` (history and input)."""
+    fmt = body.text.format if body.text is not None else None
+    constraint = None
+    if fmt is not None:
+        spec = ResponseFormat(fmt.type, fmt.schema_, fmt.name or "", fmt.strict)
+        constraint = spec.constraint(param="text.format")
+    sampling = SamplingParams(
+        max_tokens=body.max_output_tokens or 0,  # 0: the rest of the context window
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        constraint=constraint,
+    )
+    tools = tuple(
+        FunctionTool(t.name, t.description, t.parameters, t.strict)
+        for t in body.tools or []
+        if isinstance(t, FunctionToolParam)
+    )
+    return ChatRequest(
+        sampling=sampling,
+        messages=turns(conversation, body.instructions),
+        tools=tools,
+        tool_choice=_tool_choice(body.tool_choice) if tools else None,
+        parallel_tool_calls=body.parallel_tool_calls,
+    )
+
+
+def _param(param: str | None) -> str | None:
+    """A field's name as the core spells it (chat's), as this API spells it."""
+    if param is None:
+        return None
+    if param.startswith("tools.") and ".function." in param:
+        return param.replace(".function.", ".", 1)
+    return {"response_format": "text.format", "max_tokens": "max_output_tokens"}.get(param, param)
+
+
+def skeleton(body: ResponsesRequest, model: str, response_id: str) -> dict[str, Any]:
+    """The response as it starts: in progress, no output; the request's settings."""
+    text = body.text.model_dump(mode="json", by_alias=True, exclude_none=True) if body.text else {}
+    text.setdefault("format", {"type": "text"})
+    choice = body.tool_choice
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "model": model,
+        "output": [],
+        "usage": None,
+        "incomplete_details": None,
+        "error": None,
+        "instructions": body.instructions,
+        "previous_response_id": body.previous_response_id,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "tools": [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []],
+        "tool_choice": choice.model_dump() if isinstance(choice, NamedFunctionChoice)
+        else choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "text": text,
+        "store": body.store,
+        "metadata": body.metadata or {},
+        "user": body.user,
+        "background": False,
+        "reasoning": None,
+        "truncation": "disabled",
+    }  # fmt: skip
+
+
+async def open_response(
+    gateway: Gateway,
+    deployment: Deployment,
+    body: ResponsesRequest,
+    request_id: str,
+    caller: Caller,
+    store: ResponseStore,
+) -> ResponseRun:
+    """Read the conversation, open its generation through the gateway (may raise)."""
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        previous = await store.get(body.previous_response_id, caller.account_id)
+        if previous is None:
+            error = not_found(body.previous_response_id)
+            error.param = "previous_response_id"
+            raise error
+        history = [*previous.input_items, *output_items(previous.body)]
+    conversation = [*history, *stored_items(body.items())]
+    try:
+        generation = await open_generation(
+            gateway, deployment, chat_request(body, conversation), request_id, caller
+        )
+    except InvalidRequestError as e:
+        e.param = _param(e.param)
+        raise
+    response = skeleton(body, body.model or deployment.id, new_id("resp"))
+    return ResponseRun(
+        generation=generation,
+        encoder=ResponseEncoder(response),
+        store=store if body.store else None,
+        account_id=caller.account_id,
+        conversation=conversation,
+    )
+
+
+async def get_response(store: ResponseStore, response_id: str, caller: Caller) -> dict[str, Any]:
+    stored = await store.get(response_id, caller.account_id)
+    if stored is None:
+        raise not_found(response_id)
+    return stored.body
+
+
+async def delete_response(store: ResponseStore, response_id: str, caller: Caller) -> dict[str, Any]:
+    if not await store.delete(response_id, caller.account_id):
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def input_items(
+    store: ResponseStore, response_id: str, caller: Caller, query: InputItemsQuery
+) -> dict[str, Any]:
+    """A page of the response's input items (the conversation up to its input)."""
+    stored = await store.get(response_id, caller.account_id)
+    if stored is None:
+        raise not_found(response_id)
+    items = stored.input_items if query.order == "asc" else stored.input_items[::-1]
+    if query.after is not None:
+        ids = [i.get("id") for i in items]
+        if query.after not in ids:
+            raise InvalidRequestError(
+                f"'after' is {query.after!r}, which is no input item of {response_id!r}; "
+                "send the id of an item of the previous page",
+                param="after",
+            )
+        items = items[ids.index(query.after) + 1 :]
+    page = items[: query.limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > len(page),
+    }

@@ -1,0 +1,249 @@
+"""The Responses and Messages event encoders, fed neutral events, checked against the
+official SDKs' own event and object types (no model, no server)."""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+import anthropic.types
+import openai.types.responses
+import pytest
+from pydantic import BaseModel
+
+from tokenmill.chat.events import (
+    ChoiceEnd,
+    Event,
+    Finished,
+    TextDelta,
+    ToolCallArguments,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from tokenmill.engines.base import Usage
+from tokenmill.errors import EngineError
+from tokenmill.server.messages.events import MessageEncoder
+from tokenmill.server.responses.events import ResponseEncoder
+
+
+def by_type(union: Any) -> dict[str, type[BaseModel]]:
+    """The members of an SDK's union of events, by their ``type``."""
+    (members, *_) = get_args(union)
+    return {get_args(m.model_fields["type"].annotation)[0]: m for m in get_args(members)}
+
+
+OPENAI_EVENTS = by_type(openai.types.responses.ResponseStreamEvent)
+ANTHROPIC_EVENTS = by_type(anthropic.types.RawMessageStreamEvent)
+
+
+def check(events: dict[str, type[BaseModel]], event: dict[str, Any]) -> None:
+    """``event`` is valid as the SDK's own model of its type."""
+    events[event["type"]].model_validate(event)
+
+
+USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4)
+ARGS = '{"city": "Paris"}'
+PARIS = {"city": "Paris"}
+
+TEXT: list[Event] = [
+    TextDelta(0, "Hel"),
+    TextDelta(0, ""),
+    TextDelta(0, "lo"),
+    ChoiceEnd(0, "stop"),
+    Finished(USAGE),
+]
+CALL: list[Event] = [
+    ToolCallStart(0, 0, "call_1", "weather"),
+    ToolCallArguments(0, 0, ARGS[:5]),
+    ToolCallArguments(0, 0, ARGS[5:]),
+    ToolCallEnd(0, 0, "call_1", "weather", ARGS),
+    ChoiceEnd(0, "tool_calls"),
+    Finished(USAGE),
+]
+TEXT_THEN_CALL: list[Event] = [TextDelta(0, "Let me look."), *CALL]
+CUT: list[Event] = [TextDelta(0, "Once upon"), ChoiceEnd(0, "length"), Finished(USAGE)]
+NOTHING: list[Event] = [ChoiceEnd(0, "stop"), Finished(USAGE)]
+
+
+def response_skeleton() -> dict[str, Any]:
+    return {
+        "id": "resp_1",
+        "object": "response",
+        "created_at": 1,
+        "status": "in_progress",
+        "model": "smollm2",
+        "output": [],
+        "usage": None,
+        "incomplete_details": None,
+        "error": None,
+        "instructions": None,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+    }
+
+
+def encode_response(events: list[Event]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    encoder = ResponseEncoder(response_skeleton())
+    out = encoder.start()
+    for e in events:
+        out += encoder.feed(e)
+    return out, encoder.response
+
+
+def message_skeleton() -> dict[str, Any]:
+    return {
+        "id": "msg_1",
+        "type": "message",
+        "role": "assistant",
+        "model": "smollm2",
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 7, "output_tokens": 0},
+    }
+
+
+def encode_message(events: list[Event]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    encoder = MessageEncoder(message_skeleton())
+    out = encoder.start()
+    for e in events:
+        out += encoder.feed(e)
+    return out, encoder.message
+
+
+@pytest.mark.parametrize("events", [TEXT, CALL, TEXT_THEN_CALL, CUT, NOTHING])
+def test_responses_events_are_the_sdks_and_numbered(events: list[Event]) -> None:
+    out, response = encode_response(events)
+    for e in out:
+        check(OPENAI_EVENTS, e)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    openai.types.responses.Response.model_validate(response)
+    # The last event carries the response as it ended.
+    assert out[-1]["response"] == response
+
+
+def test_responses_text_stream() -> None:
+    out, response = encode_response(TEXT)
+    assert [e["type"] for e in out] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert out[0]["response"]["output"] == []
+    assert out[0]["response"]["status"] == "in_progress"
+    (message,) = response["output"]
+    assert message["content"][0]["text"] == "Hello"
+    assert message["status"] == "completed"
+    assert response["status"] == "completed"
+    assert response["usage"]["input_tokens"] == 7
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] == 4
+    assert response["usage"]["output_tokens"] == 3
+
+
+def test_responses_function_call() -> None:
+    out, response = encode_response(TEXT_THEN_CALL)
+    types = [e["type"] for e in out]
+    assert types.index("response.output_item.done") < types.index(
+        "response.function_call_arguments.delta"
+    )
+    deltas = [e["delta"] for e in out if e["type"] == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == ARGS
+    message, call = response["output"]
+    assert message["content"][0]["text"] == "Let me look."
+    assert call["type"] == "function_call"
+    assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "weather", ARGS)
+    assert call["status"] == "completed"
+    assert call["id"].startswith("fc_") and message["id"].startswith("msg_")
+
+
+def test_responses_cut_by_max_output_tokens() -> None:
+    out, response = encode_response(CUT)
+    assert out[-1]["type"] == "response.incomplete"
+    assert response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["output"][0]["status"] == "incomplete"
+
+
+def test_responses_nothing_generated_is_an_empty_message() -> None:
+    _, response = encode_response(NOTHING)
+    (message,) = response["output"]
+    assert message["content"][0]["text"] == ""
+
+
+def test_responses_failure_mid_stream() -> None:
+    encoder = ResponseEncoder(response_skeleton())
+    out = encoder.start() + encoder.feed(TextDelta(0, "Hi"))
+    out += encoder.fail(EngineError("the replica failed: OSError"))
+    for e in out:
+        check(OPENAI_EVENTS, e)
+    assert [e["type"] for e in out[-2:]] == ["error", "response.failed"]
+    assert encoder.response["status"] == "failed"
+    assert encoder.response["error"]["message"] == "the replica failed: OSError"
+
+
+@pytest.mark.parametrize("events", [TEXT, CALL, TEXT_THEN_CALL, CUT, NOTHING])
+def test_messages_events_are_the_sdks(events: list[Event]) -> None:
+    out, message = encode_message(events)
+    for e in out:
+        if e["type"] != "ping":  # not in the SDK's union: its stream skips pings
+            check(ANTHROPIC_EVENTS, e)
+    anthropic.types.Message.model_validate(message)
+    assert [e["type"] for e in out[:2]] == ["message_start", "ping"]
+    assert [e["type"] for e in out[-2:]] == ["message_delta", "message_stop"]
+    # Every block that starts stops, in order, before the next starts.
+    opened = [e["index"] for e in out if e["type"] == "content_block_start"]
+    closed = [e["index"] for e in out if e["type"] == "content_block_stop"]
+    assert opened == closed == list(range(len(message["content"])))
+
+
+def test_messages_text_then_tool_use() -> None:
+    out, message = encode_message(TEXT_THEN_CALL)
+    text, call = message["content"]
+    assert text == {"type": "text", "text": "Let me look."}
+    assert call == {
+        "type": "tool_use",
+        "id": "call_1",
+        "name": "weather",
+        "input": {"city": "Paris"},
+    }
+    partial = [
+        e["delta"]["partial_json"]
+        for e in out
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"
+    ]
+    assert "".join(partial) == ARGS
+    assert message["stop_reason"] == "tool_use"
+    assert out[-2]["delta"]["stop_reason"] == "tool_use"
+    # Anthropic's input_tokens are those not read from the cache.
+    assert message["usage"] == {
+        "input_tokens": 3,
+        "output_tokens": 3,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 4,
+    }
+
+
+@pytest.mark.parametrize(
+    ("events", "reason"), [(TEXT, "end_turn"), (CUT, "max_tokens"), (NOTHING, "end_turn")]
+)
+def test_messages_stop_reasons(events: list[Event], reason: str) -> None:
+    out, message = encode_message(events)
+    assert message["stop_reason"] == reason
+    assert out[-2]["delta"] == {"stop_reason": reason, "stop_sequence": None}
+
+
+def test_messages_failure_mid_stream() -> None:
+    encoder = MessageEncoder(message_skeleton())
+    out = encoder.start() + encoder.feed(TextDelta(0, "Hi"))
+    out += encoder.fail(EngineError("the replica failed: OSError"))
+    assert out[-1] == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "the replica failed: OSError"},
+    }
