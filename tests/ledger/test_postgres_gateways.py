@@ -7,7 +7,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psycopg
 
 from tests.conftest import ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
@@ -22,6 +21,7 @@ from tests.ledger.helpers import (
     new_account,
     new_key,
     receipt,
+    recorded_progress,
 )
 from tests.sse import events, text
 from tests.waiting import HANG_S, wait_until
@@ -69,15 +69,6 @@ def test_two_gateways_cannot_overdraw(
     for r in receipts:
         assert r["charged"] == expected_charge(r)
     assert {r["request_id"] for r in receipts} == {rid for c, rid in results if c == 200}
-
-
-def recorded_progress(pg_url: str, request_id: str) -> int | None:
-    """The streamed count the ledger holds for an open hold (None once it is settled)."""
-    with psycopg.connect(pg_url) as conn:
-        row = conn.execute(
-            "SELECT streamed FROM holds WHERE request_id = %s", (request_id,)
-        ).fetchone()
-    return None if row is None else int(row[0])
 
 
 def test_a_killed_gateways_streamed_tokens_are_charged(
