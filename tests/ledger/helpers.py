@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import psycopg
 
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import Price
@@ -84,3 +85,12 @@ def chat(max_tokens: int, stream: bool = False, text: str = "Count to twenty.") 
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     return body
+
+
+def recorded_progress(pg_url: str, request_id: str) -> int | None:
+    """The streamed count the ledger holds for an open hold (None once it is settled)."""
+    with psycopg.connect(pg_url) as conn:
+        row = conn.execute(
+            "SELECT streamed FROM holds WHERE request_id = %s", (request_id,)
+        ).fetchone()
+    return None if row is None else int(row[0])

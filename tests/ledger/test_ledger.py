@@ -20,7 +20,7 @@ from tokenmill.errors import (
     OverloadedError,
 )
 from tokenmill.ledger import ledger_from_url
-from tokenmill.ledger.base import HoldSpec, hash_key
+from tokenmill.ledger.base import HoldProgress, HoldSpec, hash_key
 from tokenmill.ledger.sql import RATE_WINDOW_S, SqlLedger
 
 # The start of a rate window (a minute of 2023): tests step from there.
@@ -208,6 +208,46 @@ async def test_sweeper_settles_holds_of_a_dead_gateway(
     assert await alive.open_holds() == 1  # r2 belongs to the live gateway
 
 
+async def test_sweeper_charges_a_dead_gateways_recorded_progress(
+    make_ledger: Callable[..., SqlLedger],
+) -> None:
+    clock = SetClock(WINDOW_START)
+    dead, alive = make_ledger(clock), make_ledger(clock)
+    await dead.open()
+    await alive.open()
+    acc = await dead.create_account("judy", 10_000)
+    await dead.hold(spec("r1", acc.id, 500, max_tokens=20, min_charge=30))
+    await dead.hold(spec("r2", acc.id, 500, max_tokens=20, min_charge=30))
+    await dead.hold(spec("r3", acc.id, 500, max_tokens=20, min_charge=30))
+    await alive.hold(spec("r4", acc.id, 500, max_tokens=20, min_charge=30))
+    # One write for all of a gateway's holds; a later one replaces the count.
+    await dead.record_progress([HoldProgress("r1", 3, 60), HoldProgress("r2", 25, 900)])
+    await dead.record_progress([HoldProgress("r1", 7, 100)])
+    # A gateway records only its own holds: r4 is ``alive``'s, "gone" is settled.
+    await dead.record_progress([HoldProgress("r4", 9, 200), HoldProgress("gone", 1, 1)])
+    clock.now += 31
+    await alive.heartbeat()
+    assert await alive.sweep(stale_s=30) == 3
+    got = {rid: await alive.receipt(rid) for rid in ("r1", "r2", "r3")}
+    summary = {
+        rid: (r.finish_reason, r.completion_tokens, r.charged)
+        for rid, r in got.items()
+        if r is not None
+    }
+    assert summary == {
+        "r1": ("expired", 7, 100),  # the last recorded count
+        "r2": ("expired", 20, 500),  # never more than the hold's max_tokens and amount
+        "r3": ("expired", 0, 30),  # no progress recorded: the prompt only
+    }
+    await alive.settle(
+        "r4", prompt_tokens=10, completion_tokens=2, finish_reason="stop", charged=40
+    )
+    r4 = await alive.receipt("r4")
+    assert r4 is not None and (r4.completion_tokens, r4.charged) == (2, 40)
+    state = await alive.get_account(acc.id)
+    assert state is not None and (state.balance, state.held) == (10_000 - 670, 0)
+
+
 async def test_sqlite_opens_while_another_connection_holds_the_file(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -249,7 +289,7 @@ async def test_migrations_are_applied_once(make_ledger: Callable[..., SqlLedger]
     files = sorted(
         int(f.name.split("_", 1)[0]) for f in folder.iterdir() if f.name.endswith(".sql")
     )
-    assert [int(r[0]) for r in rows] == files and files[:2] == [1, 2]
+    assert [int(r[0]) for r in rows] == files and files[:3] == [1, 2, 3]
 
 
 async def test_fair_share_settings_are_stored_changed_and_read_with_the_key(

@@ -1,4 +1,5 @@
-"""Two gateway processes sharing one PostgreSQL ledger cannot jointly overdraw."""
+"""Gateway processes sharing one PostgreSQL ledger: they cannot jointly overdraw, and
+one that is killed mid-stream is settled by another on the tokens it delivered."""
 
 from __future__ import annotations
 
@@ -8,16 +9,22 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tests.conftest import ServerProcess
+from tests.driver import EngineDriver, scripted_deployment
 from tests.ledger.helpers import (
     CONFIG,
     ENV,
+    PRICE,
     account,
     admin,
     chat,
     expected_charge,
     new_account,
     new_key,
+    receipt,
+    recorded_progress,
 )
+from tests.sse import events, text
+from tests.waiting import HANG_S, wait_until
 
 MAX_TOKENS = 32
 
@@ -62,3 +69,50 @@ def test_two_gateways_cannot_overdraw(
     for r in receipts:
         assert r["charged"] == expected_charge(r)
     assert {r["request_id"] for r in receipts} == {rid for c, rid in results if c == 200}
+
+
+def test_a_killed_gateways_streamed_tokens_are_charged(
+    start_server: Callable[..., ServerProcess], driver: EngineDriver, pg_url: str
+) -> None:
+    # The engine runs inside the gateway: SIGKILL takes both, as a crashed host would.
+    config = scripted_deployment(driver, placement="local") + (
+        f"[deployments.price]\nprompt_per_mtok = {PRICE.prompt_per_mtok}\n"
+        f"completion_per_mtok = {PRICE.completion_per_mtok}\n"
+    )
+    doomed = start_server(config=config, env=ENV, args=["--ledger", pg_url])
+    survivor = start_server(config=config, env=ENV, args=["--ledger", pg_url])
+    credit = 10**6
+    with admin(survivor.url) as adm:
+        acc = new_account(adm, "killed", credit)
+        _, key = new_key(adm, acc)
+    rid = "killed-mid-stream"
+    headers = {"authorization": f"Bearer {key}", "x-request-id": rid}
+    request = {"model": "scripted", "prompt": "a b c d", "max_tokens": 50, "stream": True}
+    recorded, sent_after = 6, 3
+    received: list[str] = []
+    with httpx.Client(base_url=doomed.url, timeout=HANG_S) as client:
+        with client.stream("POST", "/v1/completions", json=request, headers=headers) as r:
+            assert r.status_code == 200, r.read()
+            stream = events(r)
+            driver.emit(rid, recorded)
+            received += [text(next(stream)) for _ in range(recorded)]
+            # The gateway writes its progress within a second; the test waits for it.
+            wait_until(
+                lambda: recorded_progress(pg_url, rid) == recorded,
+                f"the ledger to record {recorded} streamed tokens",
+            )
+            # More tokens reach the client; the gateway dies before or after it
+            # records them: the bill may miss these, never count more.
+            driver.emit(rid, sent_after)
+            received += [text(next(stream)) for _ in range(sent_after)]
+            doomed.proc.kill()
+            doomed.proc.wait()
+    assert received == [f" w{i}" for i in range(1, recorded + sent_after + 1)]
+    # The survivor's sweeper settles the hold once the dead gateway's heartbeat is stale.
+    with admin(survivor.url) as adm:
+        swept = receipt(adm, rid)
+        state = account(adm, acc)
+    assert swept["finish_reason"] == "expired", swept
+    assert recorded <= swept["completion_tokens"] <= len(received), swept
+    assert swept["prompt_tokens"] == 4 and swept["charged"] == expected_charge(swept), swept
+    assert state["held"] == 0 and state["balance"] == credit - swept["charged"]

@@ -6,9 +6,9 @@ ledger. A direct gateway on the same ledger and driver is the reference: a strea
 through Serve carries the same bytes as the same request served direct. Every step
 is ordered by the driver's events. Twenty keys stream through both cells at once,
 each trying more than its credit covers; a cell killed mid-stream is replaced, and its
-hold is settled by the ledger's sweeper (prompt only) once its heartbeat is stale, which
-takes that test about 30 s. Serve is heavy (seconds to start, about a GB), so
-one application serves the whole module.
+hold is settled by the ledger's sweeper once its heartbeat is stale (on the tokens the
+cell recorded as delivered), which takes that test about 30 s. Serve is heavy (seconds
+to start, about a GB), so one application serves the whole module.
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ import pytest
 from tests.conftest import RayCluster, ServerProcess, launch
 from tests.driver import EngineDriver, scripted_deployment
 from tests.ledger.conftest import pg_schema
-from tests.ledger.helpers import ADMIN_KEY, account, admin, new_account, new_key, receipt
+from tests.ledger.helpers import (
+    ADMIN_KEY,
+    account,
+    admin,
+    new_account,
+    new_key,
+    receipt,
+    recorded_progress,
+)
 from tests.sse import DONE, events, text
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import ConfigError, Price, load_settings
@@ -327,7 +335,10 @@ def serving_cells(cells: ServerProcess, drv: EngineDriver, headers: dict[str, st
 
 
 def test_a_cell_killed_mid_stream_is_replaced_and_its_hold_swept(
-    gateways: tuple[ServerProcess, ServerProcess], drv: EngineDriver, key: dict[str, str]
+    gateways: tuple[ServerProcess, ServerProcess],
+    drv: EngineDriver,
+    key: dict[str, str],
+    pg_schema_url: str,
 ) -> None:
     cells, _ = gateways
     with admin(cells.url) as adm:
@@ -340,6 +351,10 @@ def test_a_cell_killed_mid_stream_is_replaced_and_its_hold_swept(
             stream = events(r)
             drv.emit("killed", 2)
             assert [text(next(stream)) for _ in range(2)] == [" w1", " w2"]
+            wait_until(
+                lambda: recorded_progress(pg_schema_url, "killed") == 2,
+                "the cell to record its 2 delivered tokens",
+            )
             # The cell is the Ray actor whose child process runs the replica.
             replica_pid = drv.pid("killed")
             cell_pid = parent_pid(replica_pid)
@@ -359,13 +374,13 @@ def test_a_cell_killed_mid_stream_is_replaced_and_its_hold_swept(
     )
     assert replica_pid not in pids
     # Nobody settles the killed cell's hold until its heartbeat is STALE_S old; then
-    # the sweeper of a live gateway on the ledger charges the prompt only.
+    # the sweeper of a live gateway on the ledger charges the recorded 2 tokens.
     with admin(cells.url) as adm:
         swept = receipt(adm, "killed")
         state = account(adm, acc)
-    assert swept["finish_reason"] == "expired" and swept["completion_tokens"] == 0, swept
-    assert swept["charged"] == cost(PRICE, 4, 0)
-    assert state["held"] == 0 and state["balance"] == 1_000 - cost(PRICE, 4, 0)
+    assert swept["finish_reason"] == "expired" and swept["completion_tokens"] == 2, swept
+    assert swept["charged"] == cost(PRICE, 4, 2)
+    assert state["held"] == 0 and state["balance"] == 1_000 - cost(PRICE, 4, 2)
 
 
 def test_several_cells_on_sqlite_are_refused(tmp_path: Path) -> None:

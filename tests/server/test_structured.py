@@ -216,6 +216,42 @@ def test_json_object_always_parses(http: httpx.Client) -> None:
             assert body["usage"]["completion_tokens"] == 200
 
 
+CITY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "country": {"type": "string"},
+        "population": {"type": "integer", "minimum": 0},
+        "area_km2": {"type": "number"},
+    },
+    "required": ["name", "country", "population", "area_km2"],
+    "additionalProperties": False,
+}
+
+
+def test_numbers_are_bounded_so_the_object_closes(http: httpx.Client) -> None:
+    # Greedy SmolLM2 wrote "population": 3211123200000000000... until max_tokens on
+    # three of these four before numbers were bounded (issue 29).
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    for city in ("Tokyo", "Paris", "Cairo", "Lima"):
+        body = chat(
+            http,
+            messages=[{"role": "user", "content": f"Describe {city}."}],
+            response_format=response_format,
+            temperature=0,
+            max_tokens=300,
+        )
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "stop", (city, choice["message"]["content"])
+        answer = json.loads(choice["message"]["content"], parse_int=str, parse_float=str)
+        digits = re.fullmatch(r"-?(\d+)(?:\.(\d+))?", answer["area_km2"])
+        assert digits is not None, answer
+        assert len(digits[1]) <= 19 and len(digits[2] or "") <= 10, answer
+        population = int(answer["population"])
+        assert 0 <= population <= 2**63 - 1, answer
+        jsonschema.validate(json.loads(choice["message"]["content"]), CITY)
+
+
 def test_max_tokens_cutting_the_json_is_length(http: httpx.Client) -> None:
     schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
     body = chat(

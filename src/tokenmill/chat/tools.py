@@ -51,6 +51,7 @@ from typing import Any, Literal
 
 from tokenmill.chat.request import ChatRequest, FunctionTool, NamedTool, ToolChoice, Turn
 from tokenmill.engines.base import ChatMessage, Constraint, ToolSpec
+from tokenmill.engines.json_numbers import bound_numbers
 from tokenmill.errors import InvalidRequestError
 
 ToolOutput = Literal["text", "generic", "markup", "forwarded"]
@@ -223,7 +224,7 @@ def markup_grammar(tools: Sequence[FunctionTool], parallel: bool) -> str:
             "item_separator": ", ",
             "key_separator": ": ",
         },
-        **calls["items"],
+        **bound_numbers(calls["items"]),
     }
     repeat = ' ("\\n" call)*' if parallel else ""
     return (

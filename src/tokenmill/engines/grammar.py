@@ -15,6 +15,9 @@ against its stacks (milliseconds a token), and xgrammar pulls in torch.
 
 JSON comes out with the separators ``", "`` and ``": "`` and no other whitespace: a
 small model left free whitespace loops on spaces and newlines until ``max_tokens``.
+For the same reason every number a JSON constraint allows has bounded digits
+(:mod:`tokenmill.engines.json_numbers`): a greedy model otherwise writes
+``3211123200000000000…`` until ``max_tokens``.
 
 This module imports llguidance and numpy; it is loaded with the engine.
 """
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 from tokenmill.engines.base import Constraint
+from tokenmill.engines.json_numbers import bound_numbers
 from tokenmill.errors import InvalidRequestError
 
 __all__ = ["GrammarCache", "SequenceGrammar", "grammar_text"]
@@ -55,14 +59,16 @@ def grammar_text(c: Constraint) -> str:
     try:
         if c.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, overrides=JSON_OPTIONS
+                bound_numbers({"type": "object"}), overrides=JSON_OPTIONS
             )
         if c.kind == "json_schema":
             schema = json.loads(c.text)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema is a JSON object")
             return llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults=JSON_OPTIONS, overrides={"whitespace_flexible": False}
+                bound_numbers(schema),
+                defaults=JSON_OPTIONS,
+                overrides={"whitespace_flexible": False},
             )
         if c.kind == "choice":
             options = json.loads(c.text)

@@ -7,11 +7,14 @@ works on the prompt while the response head is written. The stream is the one pl
 where cancellation and the books meet: however it ends (finished, stop string, client
 gone, replica crash), its ``aclose`` aborts the engine request, returns the replica's
 slot and the admission permit, settles the hold exactly once, and writes one log line.
+While it runs, it counts the tokens it delivered, which the gateway's progress task
+(:mod:`tokenmill.gateway.progress`) records with the meter about once a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -40,9 +43,11 @@ from tokenmill.gateway.metering import (
     FreeMeter,
     HoldRequest,
     Meter,
+    Progress,
     Settlement,
     cost,
 )
+from tokenmill.gateway.progress import record_progress
 
 log = logging.getLogger("tokenmill.requests")
 # A cancelled request's final chunk (its exact token count) comes within a decode
@@ -114,6 +119,10 @@ class RequestStream:
         self._served = 0
         # Set by the drain before it aborts this stream: the client is told why.
         self.cut_at_shutdown = False
+        # Tokens handed on to the client so far, and the count last recorded as the
+        # hold's progress: what the hold is settled on if this gateway dies.
+        self.delivered = 0
+        self._recorded = 0
 
     @property
     def request_id(self) -> str:
@@ -122,6 +131,17 @@ class RequestStream:
     @property
     def prompt_tokens(self) -> int:
         return self.record.prompt_tokens
+
+    def progress(self) -> Progress | None:
+        delivered = self.delivered
+        if delivered == self._recorded:
+            return None
+        price = self.deployment.config.price
+        charged = min(self._hold.amount, cost(price, self.record.prompt_tokens, delivered))
+        return Progress(self.request_id, delivered, charged)
+
+    def recorded(self, progress: Progress) -> None:
+        self._recorded = progress.completion_tokens
 
     def start(self) -> ChunkStream:
         """Hand the request to its replica (once): generation starts."""
@@ -160,6 +180,8 @@ class RequestStream:
                     for o in observers:
                         o.on_tokens(rec, now)
                 yield chunk
+                # The reader asks for more: the chunk went out.
+                self.delivered = rec.completion_tokens
                 if "written" not in rec.marks and rec.ttft_s is not None:
                     # The reader asks for more: the first token went out (to the socket).
                     rec.marks["written"] = time.monotonic()
@@ -272,6 +294,7 @@ class Gateway:
         self._drain_deadline: float | None = None
         self._open: set[RequestStream] = set()
         self.records: dict[str, RequestRecord] = {}
+        self._progress: asyncio.Task[None] | None = None
 
     @classmethod
     def from_deployments(cls, settings: Settings, deployments: list[Deployment]) -> Gateway:
@@ -280,6 +303,10 @@ class Gateway:
         return gw
 
     async def start(self) -> None:
+        if self._progress is None:
+            self._progress = asyncio.create_task(
+                record_progress(self.meter, lambda: self._open), name="progress"
+            )
         await asyncio.gather(*(d.start() for d in self.deployments.values()))
         self.ready = True
 
@@ -313,6 +340,11 @@ class Gateway:
         """Drain (see :meth:`drain`), then close the engines."""
         await self.drain(drain_s)
         self.ready = False
+        if self._progress is not None:  # every stream is settled: nothing left to record
+            self._progress.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._progress
+            self._progress = None
         await asyncio.gather(
             *(d.close() for d in self.deployments.values()), return_exceptions=True
         )

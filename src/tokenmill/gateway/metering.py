@@ -2,12 +2,15 @@
 
 The gateway calls :meth:`Meter.hold` once before any token is generated (priced on
 the prompt plus ``max_tokens``) and :meth:`Meter.settle` exactly once when the stream
-ends for any reason, with the tokens actually produced. The ledger package provides
-the real implementation; :class:`FreeMeter` is used when metering is off.
+ends for any reason, with the tokens actually produced. Meanwhile it reports each
+open stream's progress (:meth:`Meter.record_progress`, about once a second), so that
+if the gateway dies the tokens already delivered are still billed. The ledger package
+provides the real implementation; :class:`FreeMeter` is used when metering is off.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -72,12 +75,25 @@ class Settlement:
     charged: int
 
 
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """How far an open stream got: the tokens delivered so far and what they cost."""
+
+    request_id: str
+    completion_tokens: int
+    charged: int  # the prompt and these tokens, <= the hold
+
+
 class Meter(Protocol):
     async def hold(self, hold: HoldRequest) -> None:
         """Reserve credit; raise InsufficientCreditError or OverloadedError (rate limit)."""
 
     async def settle(self, hold: HoldRequest, settlement: Settlement) -> None:
         """Charge ``settlement.charged`` (<= the hold) and release the rest. Exactly once."""
+
+    async def record_progress(self, progress: Sequence[Progress]) -> None:
+        """Remember how far open holds got (those that changed since the last call), in
+        one write: a hold whose gateway dies is settled on its last progress."""
 
 
 class FreeMeter:
@@ -87,4 +103,7 @@ class FreeMeter:
         return None
 
     async def settle(self, hold: HoldRequest, settlement: Settlement) -> None:
+        return None
+
+    async def record_progress(self, progress: Sequence[Progress]) -> None:
         return None

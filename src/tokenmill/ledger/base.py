@@ -11,6 +11,7 @@ import enum
 import hashlib
 import secrets
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
@@ -88,9 +89,22 @@ class HoldSpec:
     prompt_tokens: int
     max_tokens: int
     amount: int
-    # What a hold is settled for when its gateway died: the prompt was processed for
-    # sure, the completion tokens are unknown, so only the prompt is charged.
+    # What a hold is settled for when its gateway died before recording any progress:
+    # the prompt was processed for sure, so at least the prompt is charged.
     min_charge: int
+
+
+@dataclass(frozen=True, slots=True)
+class HoldProgress:
+    """How far an open hold's stream got, recorded by its gateway while it runs.
+
+    If that gateway dies, the sweeper settles the hold on this: ``completion_tokens``
+    delivered, charged ``charge`` (the prompt and those tokens, priced by the gateway).
+    """
+
+    request_id: str
+    completion_tokens: int
+    charge: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +165,7 @@ class Ledger(Protocol):
     async def set_key_priority(self, key_id: str, priority: KeyPriority) -> KeyInfo | None: ...
 
     async def hold(self, spec: HoldSpec) -> None: ...
+    async def record_progress(self, progress: Sequence[HoldProgress]) -> None: ...
     async def settle(
         self,
         request_id: str,

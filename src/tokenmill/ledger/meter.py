@@ -1,8 +1,9 @@
 """The gateway's :class:`~tokenmill.gateway.metering.Meter`, backed by the ledger.
 
-Besides holding and settling, it keeps this gateway alive in the ledger (a heartbeat)
-and sweeps the holds of gateways that stopped beating: a gateway killed mid-stream
-never settles, so another one settles for it.
+Besides holding and settling, it records how far open streams got, keeps this
+gateway alive in the ledger (a heartbeat) and sweeps the holds of gateways that
+stopped beating: a gateway killed mid-stream never settles, so another one settles
+for it, on the dead gateway's last recorded progress.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from tokenmill.config import Price
-from tokenmill.gateway.metering import HoldRequest, Settlement, cost
-from tokenmill.ledger.base import HoldSpec
+from tokenmill.gateway.metering import HoldRequest, Progress, Settlement, cost
+from tokenmill.ledger.base import HoldProgress, HoldSpec
 from tokenmill.ledger.sql import SqlLedger
 
 log = logging.getLogger("tokenmill.ledger")
@@ -88,4 +89,9 @@ class LedgerMeter:
             completion_tokens=settlement.completion_tokens,
             finish_reason=settlement.finish_reason,
             charged=settlement.charged,
+        )
+
+    async def record_progress(self, progress: Sequence[Progress]) -> None:
+        await self.ledger.record_progress(
+            [HoldProgress(p.request_id, p.completion_tokens, p.charged) for p in progress]
         )

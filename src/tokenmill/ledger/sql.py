@@ -36,6 +36,7 @@ from tokenmill.ledger.base import (
     KEEP,
     MAX_WEIGHT,
     Account,
+    HoldProgress,
     HoldSpec,
     Keep,
     KeyInfo,
@@ -53,6 +54,9 @@ T = TypeVar("T")
 Clock = Callable[[], float]
 RATE_WINDOW_S = 60
 _RETRIES = 5
+# Holds per progress statement (3 parameters each): far above a gateway's open
+# streams, far below SQLite's 32,766 and PostgreSQL's 65,535 parameters a statement.
+PROGRESS_BATCH = 2000
 
 _ACCOUNT_COLS = "id, name, balance, held, unlimited, created, weight, max_concurrent"
 # A key with its account's scheduling: FROM _KEY_JOIN.
@@ -432,6 +436,29 @@ class SqlLedger:
             ),
         )  # fmt: skip
 
+    async def record_progress(self, progress: Sequence[HoldProgress]) -> None:
+        """Record how far this gateway's open holds got: one statement for all of them.
+
+        A hold settled meanwhile is simply not found; holds of other gateways are
+        never touched.
+        """
+        if progress:
+            await self._run(functools.partial(self._record_progress, progress))
+
+    def _record_progress(self, progress: Sequence[HoldProgress], tx: Tx) -> None:
+        for start in range(0, len(progress), PROGRESS_BATCH):
+            batch = progress[start : start + PROGRESS_BATCH]
+            params: list[Any] = []
+            for p in batch:
+                params += (p.request_id, p.completion_tokens, p.charge)
+            rows = ", ".join(["(?, ?, ?)"] * len(batch))
+            tx.run(
+                f"WITH v (request_id, streamed, charge) AS (VALUES {rows}) "
+                "UPDATE holds SET streamed = v.streamed, streamed_charge = v.charge FROM v "
+                "WHERE holds.request_id = v.request_id AND holds.gateway_id = ?",
+                [*params, self.gateway_id],
+            )
+
     def _check_key(self, tx: Tx, spec: HoldSpec, now: float, window: int) -> None:
         key = tx.one("SELECT rpm, tpm, revoked FROM api_keys WHERE id = ?", (spec.key_id,))
         if key is None or key[2] is not None:
@@ -578,28 +605,36 @@ class SqlLedger:
         )
 
     async def sweep(self, stale_s: float) -> int:
-        """Settle the holds of gateways silent for ``stale_s``: charge the prompt only."""
+        """Settle the holds of gateways silent for ``stale_s`` on their last recorded
+        progress: the tokens streamed (at most the hold's ``max_tokens``), at least
+        the prompt."""
         cutoff = self.clock() - stale_s
         stale = await self._run(
             lambda tx: tx.all(
-                "SELECT h.request_id, h.prompt_tokens, h.min_charge FROM holds h "
+                "SELECT h.request_id, h.prompt_tokens, h.min_charge, h.max_tokens, h.streamed, "
+                "h.streamed_charge FROM holds h "
                 "LEFT JOIN gateways g ON g.id = h.gateway_id "
                 "WHERE h.gateway_id <> ? AND (g.heartbeat IS NULL OR g.heartbeat < ?)",
                 (self.gateway_id, cutoff),
             )
         )
         swept = 0
-        for request_id, prompt_tokens, min_charge in stale:
+        for request_id, prompt_tokens, min_charge, max_tokens, streamed, charge in stale:
+            # settle() caps the charge at the hold's amount.
             receipt = await self.settle(
                 request_id,
                 prompt_tokens=int(prompt_tokens),
-                completion_tokens=0,
+                completion_tokens=min(int(streamed), int(max_tokens)),
                 finish_reason="expired",
-                charged=int(min_charge),
+                charged=max(int(min_charge), int(charge)),
             )
             if receipt is not None and receipt.finish_reason == "expired":
                 swept += 1
-                log.warning("ledger: settled hold %s of a dead gateway", request_id)
+                log.warning(
+                    "ledger: settled hold %s of a dead gateway on %d streamed tokens",
+                    request_id,
+                    receipt.completion_tokens,
+                )
         old_window = int(self.clock() // RATE_WINDOW_S) - 1
 
         def tidy(tx: Tx) -> None:
