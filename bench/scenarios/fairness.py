@@ -335,7 +335,8 @@ def books(admin: httpx.Client, tenants: list[Tenant]) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace, url: str, admin: httpx.Client) -> dict[str, Any]:
-    results: dict[str, Any] = {"settings": vars(args) | {"out": str(args.out)}}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    results: dict[str, Any] = {"settings": settings}
     light_alone = new_tenant(admin, "light-alone")
     results["alone"] = await alone(url, light_alone, min(args.seconds, 15.0))
     everyone = [light_alone]
