@@ -187,6 +187,10 @@ class EngineDriver:
     def finish(self, rid: str, reason: str = "stop", nth: int = 1) -> None:
         self._send(rid, {"op": "finish", "id": rid, "reason": reason}, nth)
 
+    def eos(self, rid: str, nth: int = 1) -> None:
+        """End ``rid`` as a model's end-of-sequence token does: one more token, no text."""
+        self._send(rid, {"op": "eos", "id": rid}, nth)
+
     def fail(self, rid: str, message: str = "scripted failure", nth: int = 1) -> None:
         self._send(rid, {"op": "fail", "id": rid, "message": message}, nth)
 

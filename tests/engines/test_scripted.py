@@ -78,6 +78,23 @@ async def test_finish_with_stop(driven: tuple[EngineDriver, ScriptedEngine]) -> 
     assert chunks[-1] == Chunk("", "stop", Usage(3, 2), 2)
 
 
+async def test_an_end_of_sequence_token_is_counted(
+    driven: tuple[EngineDriver, ScriptedEngine],
+) -> None:
+    # As the llama.cpp engine counts it: a completion token with no text.
+    driver, engine = driven
+    stream = engine.generate(request("e", max_tokens=10))
+    assert isinstance(stream, ChunkStream)
+    first = await started(driver, stream, "e")
+    driver.emit("e", 2)
+    driver.eos("e")
+    chunks = [await first] + [c async for c in stream]
+    assert chunks[-1] == Chunk("", "stop", Usage(3, 3), 3)
+    ended = await asyncio.to_thread(driver.wait, "ended", "e")
+    assert (ended["reason"], ended["tokens"]) == ("stop", 3)
+    assert engine.health().tokens_generated == 3
+
+
 async def test_cancel_ends_the_stream_with_the_tokens_produced(
     driven: tuple[EngineDriver, ScriptedEngine],
 ) -> None:

@@ -9,7 +9,9 @@ process (the default) and in the gateway's own process, an upstream proxy with a
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,6 +21,7 @@ import pytest
 
 from tests.conftest import ServerProcess, launch
 from tests.server.test_bad_input import assert_error
+from tokenmill.engines.embedded import embedded_model_path
 
 PROMPT = "The three primary colours are"
 ASK = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -53,9 +56,46 @@ url = "{NOWHERE}"
 LLAMACPP = {"smollm2": 1024, "inproc": 512}
 
 
+# The GGUF key that says the tokenizer adds a BOS token, as stored: its name, then its
+# type (7: bool) and its value.
+ADD_BOS = b"tokenizer.ggml.add_bos_token\x07\x00\x00\x00"
+
+
+def bos_model(tmp: Path) -> Path:
+    """SmolLM2 as a model whose tokenizer adds a BOS token (as Llama's does): the same
+    file with its ``add_bos_token`` flag set (SmolLM2 adds none)."""
+    src = embedded_model_path()
+    with open(src, "rb") as f:
+        head = f.read(1 << 20)  # the metadata comes first
+    at = head.find(ADD_BOS)
+    assert at > 0 and head[at + len(ADD_BOS)] == 0, "SmolLM2 stores add_bos_token = false"
+    dst = tmp / "smollm2-bos.gguf"
+    shutil.copyfile(src, dst)
+    with open(dst, "r+b") as f:
+        f.seek(at + len(ADD_BOS))
+        f.write(b"\x01")
+    return dst
+
+
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = launch(tmp_path_factory.mktemp("tokenize"), config=CONFIG)
+    tmp = tmp_path_factory.mktemp("tokenize")
+    model = bos_model(tmp)
+    config = f"""{CONFIG}
+[[deployments]]
+id = "bos"
+model = "{model}"
+max_num_seqs = 1
+n_ctx = 256
+n_threads = 1
+
+[[deployments]]
+id = "bos-counted"
+engine = "upstream"
+url = "{NOWHERE}"
+tokenizer = "{model}"
+"""
+    srv = launch(tmp, config=config)
     yield srv
     srv.stop()
 
@@ -88,6 +128,34 @@ def test_tokenize_counts_what_a_generation_counts_and_detokenize_inverts_it(
     assert ok(http.post("/detokenize", json={"model": model, "tokens": got["tokens"]})) == {
         "prompt": PROMPT
     }
+
+
+@pytest.mark.parametrize("model", ["bos", "bos-counted"])
+def test_add_special_tokens_false_leaves_out_the_bos_the_tokenizer_adds(
+    http: httpx.Client, model: str
+) -> None:
+    bos = ok(http.get("/tokenizer_info", params={"model": model}))["bos_token"]
+    bare = {"model": model, "prompt": bos, "add_special_tokens": False}
+    (bos_id,) = ok(http.post("/tokenize", json=bare))["tokens"]
+    for body in ({"prompt": PROMPT}, {"messages": ASK}):
+        default = ok(http.post("/tokenize", json={"model": model, **body}))["tokens"]
+        on = {"model": model, "add_special_tokens": True, **body}
+        assert ok(http.post("/tokenize", json=on))["tokens"] == default
+        off = {"model": model, "add_special_tokens": False, **body}
+        assert default == [bos_id, *ok(http.post("/tokenize", json=off))["tokens"]]
+    if model == "bos":  # the default is what a generation's prompt holds
+        default = ok(http.post("/tokenize", json={"model": model, "prompt": PROMPT}))["tokens"]
+        assert len(default) == prompt_tokens(http, model, prompt=PROMPT)
+
+
+@pytest.mark.parametrize("model", list(LLAMACPP))
+def test_add_special_tokens_changes_nothing_where_the_tokenizer_adds_nothing(
+    http: httpx.Client, model: str
+) -> None:
+    for body in ({"prompt": PROMPT}, {"messages": ASK}):
+        default = ok(http.post("/tokenize", json={"model": model, **body}))["tokens"]
+        off = {"model": model, "add_special_tokens": False, **body}
+        assert ok(http.post("/tokenize", json=off))["tokens"] == default
 
 
 @pytest.mark.parametrize("model", list(LLAMACPP))

@@ -240,12 +240,17 @@ def refuse_choices(request: GenerationRequest, who: str) -> None:
 @dataclass(frozen=True, slots=True)
 class TokenizeRequest:
     """Text to tokenize: exactly one of ``prompt`` and ``messages`` (rendered as for
-    a generation, with the generation prompt unless ``add_generation_prompt`` is false)."""
+    a generation, with the generation prompt unless ``add_generation_prompt`` is false).
+
+    ``add_special_tokens``: the tokens the model's tokenizer adds around a text (BOS
+    where the model wants one), as a generation's prompt has them; false: the text's
+    own tokens only (control tokens written in the text are still parsed)."""
 
     prompt: str | None = None
     messages: tuple[ChatMessage, ...] | None = None
     chat_template: str | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -35,6 +35,9 @@ Driver -> engine (commands)::
     {"op": "emit", "id": R, "n": N}   N tokens, one chunk each (" w1", " w2", ...); at
                                       max_tokens the request finishes with "length"
     {"op": "finish", "id": R, "reason": "stop" | "length"}
+    {"op": "eos", "id": R}            the model's end-of-sequence token: one more token,
+                                      counted as a real engine counts it but with no
+                                      text, and the request finishes with "stop"
     {"op": "fail", "id": R, "message": M}     EngineError mid-stream
     {"op": "stall"}                   the process stops answering anything, as in a
                                       hung native call (replica processes only)
@@ -228,6 +231,10 @@ class ScriptedEngine:
                 run.stream.put(Chunk(f" w{run.tokens}", tokens=run.tokens))
             if run.tokens >= run.max_tokens:
                 self._end(run, Chunk("", "length", run.usage(), run.tokens), "length")
+        elif op == "eos":  # max_tokens not reached yet: emit ended the run there
+            run.tokens += 1
+            self._tokens_generated += 1
+            self._end(run, Chunk("", "stop", run.usage(), run.tokens), "stop")
         elif op == "finish":
             reason: FinishReason = "length" if command.get("reason") == "length" else "stop"
             self._end(run, Chunk("", reason, run.usage(), run.tokens), reason)
@@ -266,7 +273,7 @@ class ScriptedEngine:
                 while True:  # blocks the event loop: no frame, no pong, nothing
                     time.sleep(STALL_SLICE_S)  # noqa: ASYNC251 - the point of a stall
             run = self._runs.get(str(command.get("id")))
-            if run is None or op not in ("emit", "finish", "fail"):
+            if run is None or op not in ("emit", "eos", "finish", "fail"):
                 self._send({"event": "ignored", "id": command.get("id"), "op": op})
             else:
                 self._run_command(run, command)

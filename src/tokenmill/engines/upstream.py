@@ -218,7 +218,8 @@ class UpstreamEngine:
         if self._client is None:
             await self.start()
         vocab = self._own_tokenizer().vocab
-        return await asyncio.to_thread(lambda: vocab.tokenize(vocab.render(request)))
+        add = request.add_special_tokens
+        return await asyncio.to_thread(lambda: vocab.tokenize(vocab.render(request), bos=add))
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
         if self._client is None:

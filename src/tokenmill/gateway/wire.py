@@ -101,7 +101,13 @@ def decode_message(row: list[Any]) -> ChatMessage:
 
 def encode_tokenize(r: TokenizeRequest) -> dict[str, Any]:
     messages = None if r.messages is None else [[m.role, m.content] for m in r.messages]
-    return {"p": r.prompt, "m": messages, "t": r.chat_template, "g": r.add_generation_prompt}
+    return {
+        "p": r.prompt,
+        "m": messages,
+        "t": r.chat_template,
+        "g": r.add_generation_prompt,
+        "s": r.add_special_tokens,
+    }
 
 
 def decode_tokenize(d: dict[str, Any]) -> TokenizeRequest:
@@ -111,6 +117,7 @@ def decode_tokenize(d: dict[str, Any]) -> TokenizeRequest:
         messages=None if messages is None else tuple(ChatMessage(r, c) for r, c in messages),
         chat_template=d["t"],
         add_generation_prompt=bool(d["g"]),
+        add_special_tokens=bool(d["s"]),
     )
 
 

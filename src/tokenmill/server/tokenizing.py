@@ -28,6 +28,7 @@ async def tokenize(deployment: Deployment, body: TokenizeBody) -> Tokenized:
         messages=messages,
         chat_template=body.chat_template,
         add_generation_prompt=body.add_generation_prompt,
+        add_special_tokens=body.add_special_tokens,
     )
     tokens = await host.tokenize(request)
     return Tokenized(tokens=tokens, count=len(tokens), max_model_len=host.context_length())

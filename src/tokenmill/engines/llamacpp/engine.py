@@ -250,7 +250,8 @@ class LlamaCppEngine:
     async def tokenize(self, request: TokenizeRequest) -> list[int]:
         if self._loaded is None:
             await self.start()
-        return self.vocab.tokenize(self.vocab.render(request))
+        vocab = self.vocab
+        return vocab.tokenize(vocab.render(request), bos=request.add_special_tokens)
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
         if self._loaded is None:

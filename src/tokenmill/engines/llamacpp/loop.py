@@ -21,7 +21,7 @@ from typing import Any
 
 import llama_cpp as ll
 
-from tokenmill.engines.base import Chunk, FinishReason
+from tokenmill.engines.base import Chunk, FinishReason, TokenLogprob
 from tokenmill.engines.llama_embed import Embedder
 from tokenmill.engines.llamacpp.admission import RequestQueue
 from tokenmill.engines.llamacpp.batch import plan_batch
@@ -31,6 +31,7 @@ from tokenmill.engines.llamacpp.counters import Counters
 from tokenmill.engines.llamacpp.kvslots import KvSlots
 from tokenmill.engines.llamacpp.outputs import OutputRows
 from tokenmill.engines.logits import LogitRow
+from tokenmill.engines.logprobs import finite
 from tokenmill.engines.sampling import build_sampler
 from tokenmill.engines.threads import ThreadTuner
 from tokenmill.errors import EngineError
@@ -270,23 +271,28 @@ class DecodeLoop:
             self.cache.append(seq.slot, seq.last_token)
         vocab, grammar = self.context.vocab, seq.grammar
         if not seq.sampling.ignore_eos and vocab.is_eog(token):
-            self._finish(seq, "stop", events)
+            # The end of the answer is a token the model generated: counted and given
+            # its log probability as vLLM and llama-server do, but never text. It is
+            # not decoded, so the slot's cells end before it (the next-turn warm-up
+            # writes the template's own end of turn there).
+            self._count(seq)
+            eos = None
+            if seq.aligner is not None and logprobs is not None:
+                top = self.rows.top(logprobs, seq.sampling.logprobs or 0)
+                piece = vocab.piece(token, special=True)
+                eos = TokenLogprob(piece, finite(logprobs.logprob(token)), seq.stream.decoded, top)
+            self._finish(seq, "stop", events, eos=eos)
             self._plan_warm(seq, ())
             return
         if grammar is not None and not grammar.consume(token):
             log.warning("request %s: grammar refused a token: %s", seq.request_id, grammar.error)
             self._finish(seq, "stop", events)
             return
-        seq.generated += 1
-        group.generated += 1
-        self.counters.tokens_generated += 1
+        self._count(seq)
         seq.last_token = token
         seq.n_past = len(seq.prompt) + seq.generated - 1
         piece = vocab.piece(token)
         text = seq.stream.feed(piece)
-        if group.generated == 1:  # the request's first token
-            marks = (*group.marks, self.context.decoded_at, time.monotonic())
-            self.first_marks[group.request_id] = marks
         if seq.aligner is not None and logprobs is not None:
             top = self.rows.top(logprobs, seq.sampling.logprobs or 0)
             stream = seq.stream
@@ -306,6 +312,17 @@ class DecodeLoop:
                 chunk = Chunk(text, tokens=group.generated, logprobs=released, index=seq.index)
                 events.append((seq, chunk))
 
+    def _count(self, seq: Choice) -> None:
+        """``seq`` generated one more token (its request's, and the engine's)."""
+        group = seq.group
+        assert group is not None
+        seq.generated += 1
+        group.generated += 1
+        self.counters.tokens_generated += 1
+        if group.generated == 1:  # the request's first token
+            marks = (*group.marks, self.context.decoded_at, time.monotonic())
+            self.first_marks[group.request_id] = marks
+
     def _plan_warm(self, seq: Choice, head: tuple[int, ...]) -> None:
         """``seq``, a chat's answer, ended whole (EOS or max_tokens): its slot may
         compute ``head`` and what the template writes before the next user message,
@@ -313,7 +330,17 @@ class DecodeLoop:
         if seq.next_turn:
             self.cache.plan_warm_up(seq.slot, (*head, *seq.next_turn))
 
-    def _finish(self, seq: Choice, reason: FinishReason, events: Events, text: str = "") -> None:
+    def _finish(
+        self,
+        seq: Choice,
+        reason: FinishReason,
+        events: Events,
+        text: str = "",
+        *,
+        eos: TokenLogprob | None = None,
+    ) -> None:
+        """End ``seq``: its last ``text``, and ``eos``, the end-of-sequence token's log
+        probability when it ended on one and asked for them."""
         if seq.done:
             return
         seq.done = True
@@ -326,6 +353,8 @@ class DecodeLoop:
             seq.sampler = None
         # Tokens still waiting now are those a stop string swallowed (or an abort cut).
         released = () if seq.aligner is None else seq.aligner.release(len(text))
+        if eos is not None:  # after every token whose text went out
+            released = (*released, eos)
         group = seq.group
         assert group is not None
         group.open -= 1

@@ -394,6 +394,11 @@ class TokenizeBody(BaseModel):
     chat_template: str | None = Field(
         default=None, description="with `messages`: a Jinja template instead of the model's"
     )
+    add_special_tokens: bool = Field(
+        default=True,
+        description="the tokens the model's tokenizer adds (BOS where the model wants one), "
+        "as a generation's prompt has them; false: the text's own tokens only",
+    )
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> TokenizeBody:
