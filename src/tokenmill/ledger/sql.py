@@ -1,7 +1,7 @@
-"""The ledger's logic, written once over DB-API connections for SQLite and PostgreSQL.
+"""The ledger's logic, written once for SQLite and PostgreSQL.
 
-Each operation is one short transaction run on a worker thread (the drivers are
-blocking; a thread hop costs tens of microseconds, far less than a commit). Races
+Each operation is one short transaction on the ledger's database
+(:mod:`tokenmill.ledger.database`: connections, retries, migrations). Races
 between gateways are settled by the database, not by Python locks:
 
 - a hold locks the account row (``FOR UPDATE`` on PostgreSQL, ``BEGIN IMMEDIATE``
@@ -13,16 +13,10 @@ between gateways are settled by the database, not by Python locks:
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import threading
-import time
-import uuid
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from tokenmill.errors import (
     AuthenticationError,
@@ -46,14 +40,12 @@ from tokenmill.ledger.base import (
     new_id,
     new_key,
 )
+from tokenmill.ledger.database import Clock, Database, Tx
+
+__all__ = ["RATE_WINDOW_S", "Clock", "SqlLedger", "Tx"]
 
 log = logging.getLogger("tokenmill.ledger")
-T = TypeVar("T")
-# The wall clock every timestamp, rate window and heartbeat age is read from (seconds
-# since the epoch, as ``time.time``); a test sets its own to step across windows.
-Clock = Callable[[], float]
 RATE_WINDOW_S = 60
-_RETRIES = 5
 # Holds per progress statement (3 parameters each): far above a gateway's open
 # streams, far below SQLite's 32,766 and PostgreSQL's 65,535 parameters a statement.
 PROGRESS_BATCH = 2000
@@ -103,89 +95,9 @@ def _receipt(row: Sequence[Any]) -> Receipt:
     )  # fmt: skip
 
 
-class Tx:
-    """A transaction's cursor with ``?`` placeholders whatever the driver."""
-
-    def __init__(self, conn: Any, placeholder: str) -> None:
-        self._conn = conn
-        self._ph = placeholder
-
-    def run(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        if self._ph != "?":
-            sql = sql.replace("?", self._ph)
-        return self._conn.execute(sql, params)
-
-    def one(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        row: Any = self.run(sql, params).fetchone()
-        return row
-
-    def all(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
-        return list(self.run(sql, params).fetchall())
-
-
-class SqlLedger:
-    """Shared implementation; subclasses connect and name their dialect."""
-
-    dialect = ""
-    begin = "BEGIN"
-    lock = ""  # row-lock suffix for SELECTs of rows about to change
-    placeholder = "?"
-    retryable: tuple[type[BaseException], ...] = ()
-
-    def __init__(
-        self, *, workers: int = 1, gateway_id: str | None = None, clock: Clock = time.time
-    ) -> None:
-        self.gateway_id = gateway_id or f"gw_{uuid.uuid4().hex[:12]}"
-        self.clock = clock
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ledger")
-        self._local = threading.local()
-        self._conns: list[Any] = []
-        self._conns_lock = threading.Lock()
-
-    # -- driver specifics ---------------------------------------------------------
-    def _connect(self) -> Any:
-        raise NotImplementedError
-
-    def _migration_lock(self, tx: Tx) -> None:
-        """Serialize migrations between processes starting at once."""
-
-    # -- plumbing -----------------------------------------------------------------
-    def _conn(self) -> Any:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._connect()
-            self._local.conn = conn
-            with self._conns_lock:
-                self._conns.append(conn)
-        return conn
-
-    def _transact(self, fn: Callable[[Tx], T]) -> T:
-        conn = self._conn()
-        for attempt in range(_RETRIES):
-            conn.execute(self.begin)
-            try:
-                result = fn(Tx(conn, self.placeholder))
-            except self.retryable:
-                conn.execute("ROLLBACK")
-                if attempt == _RETRIES - 1:
-                    raise
-                time.sleep(0.005 * (attempt + 1))
-                continue
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return result
-        raise AssertionError("unreachable")
-
-    async def _run(self, fn: Callable[[Tx], T]) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self._transact, fn)
-
-    async def transact(self, fn: Callable[[Tx], T]) -> T:
-        """Run ``fn`` as one transaction on a worker thread: for the stores that keep
-        their tables in the ledger's database (:mod:`tokenmill.ledger.responses`)."""
-        return await self._run(fn)
+class SqlLedger(Database):
+    """The books over :class:`~tokenmill.ledger.database.Database`; subclasses connect
+    and name their dialect."""
 
     async def open(self) -> None:
         await self._run(self._migrate)
@@ -207,40 +119,7 @@ class SqlLedger:
         except Exception:
             log.warning("could not unregister gateway %s from the ledger", self.gateway_id)
 
-        def close_all() -> None:
-            with self._conns_lock:
-                for conn in self._conns:
-                    conn.close()
-                self._conns.clear()
-
-        await asyncio.get_running_loop().run_in_executor(self._pool, close_all)
-        self._pool.shutdown(wait=True)
-
-    def _migrate(self, tx: Tx) -> None:
-        self._migration_lock(tx)
-        tx.run(
-            "CREATE TABLE IF NOT EXISTS schema_migrations "
-            "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied DOUBLE PRECISION NOT NULL)"
-        )
-        done = {int(r[0]) for r in tx.all("SELECT version FROM schema_migrations")}
-        folder = resources.files("tokenmill.ledger") / "migrations" / self.dialect
-        for entry in sorted(folder.iterdir(), key=lambda e: e.name):
-            if not entry.name.endswith(".sql"):
-                continue
-            version = int(entry.name.split("_", 1)[0])
-            if version in done:
-                continue
-            text = "\n".join(
-                line for line in entry.read_text().splitlines() if not line.startswith("--")
-            )
-            for statement in text.split(";"):
-                if statement.strip():
-                    tx.run(statement)
-            tx.run(
-                "INSERT INTO schema_migrations (version, name, applied) VALUES (?, ?, ?)",
-                (version, entry.name, self.clock()),
-            )
-            log.info("ledger: applied migration %s", entry.name)
+        await self.close_connections()
 
     # -- accounts -----------------------------------------------------------------
     async def create_account(
