@@ -65,7 +65,7 @@ def test_slot_chains_and_index_follow_every_change(
     slots = SlotChains(4)
     held: list[list[int]] = [[] for _ in range(4)]
     live = PrefixIndex()  # fed every update, as the gateway is
-    live.reset(0, slots.snapshot())
+    live.reset(0, slots.snapshot().slots)
     for slot, fraction, added in steps:
         kept = int(len(held[slot]) * fraction)
         update = slots.change(slot, kept, added)
@@ -73,10 +73,10 @@ def test_slot_chains_and_index_follow_every_change(
         if update is not None:
             live.update(0, update)
         assert slots.tokens(slot) == tuple(held[slot])
-    assert slots.snapshot() == [tuple(chain(h)) for h in held]
+    assert list(slots.snapshot().slots) == [tuple(chain(h)) for h in held]
     rebuilt = PrefixIndex()  # a gateway that connects now
-    rebuilt.reset(0, slots.snapshot())
-    assert live.chains(0) == rebuilt.chains(0) == slots.snapshot()
+    rebuilt.reset(0, slots.snapshot().slots)
+    assert live.chains(0) == rebuilt.chains(0) == list(slots.snapshot().slots)
     longest = max((common_prefix(h, prompt) for h in held), default=0)
     expected = min(longest, len(prompt)) // B
     assert live.cached_blocks(chain(prompt)) == {0: expected}
@@ -110,7 +110,7 @@ def test_a_slot_evicted_below_a_shared_block_keeps_the_other_slot() -> None:
     system = list(range(2 * B))
     index = PrefixIndex()
     slots = SlotChains(2)
-    index.reset(0, slots.snapshot())
+    index.reset(0, slots.snapshot().slots)
     for slot in (0, 1):
         update = slots.change(slot, 0, system)
         assert update is not None

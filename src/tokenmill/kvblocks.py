@@ -25,7 +25,16 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BLOCK_TOKENS", "ROOT", "BlockUpdate", "SlotChains", "chain", "extend_chain"]
+__all__ = [
+    "BLOCK_TOKENS",
+    "ROOT",
+    "BlockSnapshot",
+    "BlockUpdate",
+    "CacheEvent",
+    "SlotChains",
+    "chain",
+    "extend_chain",
+]
 
 # 16 tokens a block: a system prompt or a previous turn is hundreds of tokens, so a
 # prefix is found to within 16 tokens (what it saves is prefill of the rest); shorter
@@ -73,6 +82,17 @@ class BlockUpdate:
     added: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class BlockSnapshot:
+    """Every slot's block names, by slot index: what a replica holds as a whole."""
+
+    slots: tuple[tuple[int, ...], ...]
+
+
+# What a replica publishes: a snapshot when it (re)connects, then one update a change.
+CacheEvent = BlockSnapshot | BlockUpdate
+
+
 class SlotChains:
     """The block names of every slot of one replica, kept up to date change by change.
 
@@ -101,9 +121,9 @@ class SlotChains:
         names.extend(new)
         return BlockUpdate(slot, cut, tuple(new))
 
-    def snapshot(self) -> list[tuple[int, ...]]:
-        """Every slot's block names, by slot index (what a (re)connecting gateway reads)."""
-        return [tuple(names) for names in self._names]
+    def snapshot(self) -> BlockSnapshot:
+        """Every slot's block names (what a (re)connecting gateway reads)."""
+        return BlockSnapshot(tuple(tuple(names) for names in self._names))
 
     def tokens(self, slot: int) -> tuple[int, ...]:
         """The tokens slot ``slot`` holds, as the changes said."""
