@@ -11,7 +11,16 @@ from hypothesis import strategies as st
 
 from tokenmill.engines.slots import common_prefix
 from tokenmill.gateway.prefix import PrefixIndex
-from tokenmill.kvblocks import BLOCK_TOKENS, ROOT, SlotChains, chain, extend_chain
+from tokenmill.kvblocks import (
+    BLOCK_TOKENS,
+    ROOT,
+    BlockSnapshot,
+    CacheEvent,
+    CachePublisher,
+    SlotChains,
+    chain,
+    extend_chain,
+)
 
 B = BLOCK_TOKENS
 
@@ -145,3 +154,22 @@ def test_updates_before_a_snapshot_are_ignored() -> None:
     assert update is not None
     index.update(3, update)
     assert index.cached_blocks(chain(list(range(2 * B)))) == {}
+
+
+def test_a_publisher_gives_a_snapshot_then_every_change_and_a_snapshot_on_restart() -> None:
+    publisher = CachePublisher(2)
+    publisher.change(0, 0, list(range(2 * B)))
+    events: list[CacheEvent] = []
+    publisher.subscribe(events.append)
+    publisher.change(1, 0, list(range(B)))
+    publisher.change(1, B, [1])  # inside a block: nothing
+    index = PrefixIndex()
+    for event in events:
+        if isinstance(event, BlockSnapshot):
+            index.reset(0, event.slots)
+        else:
+            index.update(0, event)
+    assert index.chains(0) == list(publisher.snapshot().slots)
+    assert len(events) == 2
+    publisher.reset()
+    assert events[-1] == BlockSnapshot(((), ()))

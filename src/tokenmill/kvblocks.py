@@ -14,7 +14,8 @@ little-endian integers: stable across processes and machines (never Python's
 ``hash()``, which is salted per process), and fast enough (about 1 us a block).
 
 :class:`SlotChains` follows a replica's slots as they change and says, for each
-change, which names a slot now has: what a replica publishes. Plain Python, no
+change, which names a slot now has: what a replica publishes, through a
+:class:`CachePublisher`. Plain Python, no
 engine in it; it must never be given anything but token ids.
 """
 
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "BlockSnapshot",
     "BlockUpdate",
     "CacheEvent",
+    "CachePublisher",
     "SlotChains",
     "chain",
     "extend_chain",
@@ -128,3 +131,44 @@ class SlotChains:
     def tokens(self, slot: int) -> tuple[int, ...]:
         """The tokens slot ``slot`` holds, as the changes said."""
         return tuple(self._tokens[slot])
+
+
+class CachePublisher:
+    """What an engine's slots hold, told to listeners as :data:`CacheEvent` objects.
+
+    The engine calls :meth:`change` with every change of a slot's tokens (from its
+    decode thread) and :meth:`reset` when it (re)starts with empty slots; a listener
+    added with :meth:`subscribe` gets a :class:`BlockSnapshot` first, then every
+    :class:`BlockUpdate`, in order (one lock keeps a change from slipping between a
+    snapshot and the updates after it). Listeners must be quick and never raise.
+    """
+
+    def __init__(self, n_slots: int) -> None:
+        self._lock = threading.Lock()
+        self._chains = SlotChains(n_slots)
+        self._n_slots = n_slots
+        self._listeners: list[Callable[[CacheEvent], None]] = []
+
+    def subscribe(self, listener: Callable[[CacheEvent], None]) -> None:
+        with self._lock:
+            listener(self._chains.snapshot())
+            self._listeners.append(listener)
+
+    def change(self, slot: int, kept: int, added: Sequence[int]) -> None:
+        with self._lock:
+            update = self._chains.change(slot, kept, added)
+            if update is not None:
+                for listener in self._listeners:
+                    listener(update)
+
+    def reset(self) -> None:
+        """Every slot is empty again (the engine (re)started): listeners get a snapshot."""
+        with self._lock:
+            self._chains = SlotChains(self._n_slots)
+            snapshot = self._chains.snapshot()
+            for listener in self._listeners:
+                listener(snapshot)
+
+    def snapshot(self) -> BlockSnapshot:
+        with self._lock:
+            return self._chains.snapshot()
