@@ -173,3 +173,8 @@ def test_a_publisher_gives_a_snapshot_then_every_change_and_a_snapshot_on_restar
     assert len(events) == 2
     publisher.reset()
     assert events[-1] == BlockSnapshot(((), ()))
+    gone: list[CacheEvent] = []
+    stop = publisher.subscribe(gone.append)
+    stop()
+    publisher.change(0, 0, list(range(B)))
+    assert len(gone) == 1  # its snapshot only

@@ -149,10 +149,18 @@ class CachePublisher:
         self._n_slots = n_slots
         self._listeners: list[Callable[[CacheEvent], None]] = []
 
-    def subscribe(self, listener: Callable[[CacheEvent], None]) -> None:
+    def subscribe(self, listener: Callable[[CacheEvent], None]) -> Callable[[], None]:
+        """Add ``listener``; returns the function that removes it."""
         with self._lock:
             listener(self._chains.snapshot())
             self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
 
     def change(self, slot: int, kept: int, added: Sequence[int]) -> None:
         with self._lock:

@@ -387,11 +387,12 @@ class CachePublishing(Protocol):
 
     ``publish_cache(listener)`` calls ``listener`` with a ``BlockSnapshot`` of every
     slot, then with a ``BlockUpdate`` for every change of a slot's full blocks, in
-    order, and again a snapshot whenever the engine (re)starts. Calls may come from the
-    engine's own thread: the listener must be quick and must not call the engine.
+    order, and again a snapshot whenever the engine (re)starts, until the function it
+    returns is called. Calls may come from the engine's own thread: the listener must
+    be quick and must not call the engine.
     """
 
-    def publish_cache(self, listener: Callable[[CacheEvent], None]) -> None: ...
+    def publish_cache(self, listener: Callable[[CacheEvent], None]) -> Callable[[], None]: ...
 
 
 # Requests remembered between prepare() and generate() (a client that leaves in

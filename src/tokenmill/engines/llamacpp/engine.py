@@ -318,10 +318,11 @@ class LlamaCppEngine:
         )
         loaded.loop.enqueue(group)
 
-    def publish_cache(self, listener: Callable[[CacheEvent], None]) -> None:
+    def publish_cache(self, listener: Callable[[CacheEvent], None]) -> Callable[[], None]:
         """Tell ``listener`` what the slots hold: a snapshot now and at every start,
-        then every change of a slot's full blocks, from the decode thread."""
-        self.published_cache.subscribe(listener)
+        then every change of a slot's full blocks, from the decode thread; until the
+        returned function is called."""
+        return self.published_cache.subscribe(listener)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request within one step; unknown or finished ids are ignored."""
