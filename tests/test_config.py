@@ -168,6 +168,18 @@ def test_unknown_placement_is_an_error(tmp_path: Path) -> None:
     assert "deployments.0.placement: Input should be 'process', 'local' or 'ray'" in message
 
 
+def test_routing_is_cache_aware_unless_named(tmp_path: Path) -> None:
+    (dep,) = load_toml(tmp_path, one("")).deployments
+    assert dep.routing == "cache_aware"
+    (dep,) = load_toml(tmp_path, one('routing = "round_robin"')).deployments
+    assert dep.routing == "round_robin"
+    message = config_error(tmp_path, one('routing = "random"'))
+    assert (
+        "deployments.0.routing: Input should be 'cache_aware', 'least_loaded' or "
+        "'round_robin'" in message
+    )
+
+
 # -- Ray keys ----------------------------------------------------------------------------
 
 

@@ -89,6 +89,8 @@ class DeploymentCommon(BaseModel):
     # (upstream: the window assumed when a client sends no max_tokens).
     max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1, le=256)
     n_ctx: int = Field(default=DEFAULT_N_CTX, ge=64)
+    # Which replica serves a request (tokenmill.gateway.routing; docs/routing.md).
+    routing: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
 
     @classmethod
     def engine_name(cls) -> str:

@@ -171,6 +171,18 @@ class GatewayMetrics:
             ["deployment"],
             registry=r,
         )
+        self.routed = Counter(
+            "tokenmill_routing_decisions",
+            "Requests routed, by the replica chosen and why (docs/routing.md).",
+            ["deployment", "replica", "reason"],
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            "tokenmill_cache_hit_tokens",
+            "Prompt tokens a replica found in its KV cache (usage.cached_tokens).",
+            ["deployment", "replica"],
+            registry=r,
+        )
         self.registry.register(_LoadCollector(gateway))
         self._bound: dict[str, _Bound] = {}
         # request id -> monotonic time of its previous text chunk (inter-token latency).
@@ -201,6 +213,9 @@ class GatewayMetrics:
             self.class_queue.labels(record.deployment, record.caller.priority).observe(
                 record.queue_s
             )
+            route = record.route
+            if route is not None:
+                self.routed.labels(record.deployment, str(route.index), route.reason).inc()
         except Exception:  # an observer must never break a request
             log.exception("metrics: on_start failed")
 
@@ -233,6 +248,10 @@ class GatewayMetrics:
         self.served.labels(record.deployment, record.caller.priority).inc(served)
         if self.account_served is not None:
             self.account_served.labels(record.deployment, record.caller.account_id).inc(served)
+        if record.route is not None and record.cached_tokens:
+            self.cache_hits.labels(record.deployment, str(record.route.index)).inc(
+                record.cached_tokens
+            )
         if record.charged:
             b.spend.inc(record.charged)
         b.e2e.observe(record.duration_s)

@@ -129,9 +129,12 @@ async def open_generation(
     request: ChatRequest,
     request_id: str,
     caller: Caller,
+    *,
+    session: str | None = None,
 ) -> Generation:
     """Check, build and open the engine request (may raise: a 400 naming the field,
-    or whatever the gateway refuses with before streaming)."""
+    or whatever the gateway refuses with before streaming). ``session`` is the
+    routing's affinity hint (a conversation's id, or its user)."""
     if request.kind == "chat" and request.messages is None:
         assert request.prompt is not None, "a chat has messages or a prompt"
         request = replace(request, messages=(Turn("user", request.prompt),), prompt=None)
@@ -164,5 +167,5 @@ async def open_generation(
         n=request.n,
         tools=None if plan is None else plan.spec,
     )
-    stream = await gateway.open(deployment, engine_request, caller)
+    stream = await gateway.open(deployment, engine_request, caller, session=session)
     return Generation(stream, "text" if plan is None else plan.output)

@@ -46,9 +46,11 @@ from tokenmill.engines.results import (
     TopLogprob,
     Usage,
 )
+from tokenmill.kvblocks import CacheEvent
 
 __all__ = [
     "PREPARED_CACHE",
+    "CachePublishing",
     "ChatMessage",
     "Chunk",
     "ChunkStream",
@@ -205,6 +207,10 @@ class GenerationRequest:
     # Tools passed on, or rendered by the chat template (``ToolSpec``); None where the
     # server wrote them into the messages itself (a template that knows no tools).
     tools: ToolSpec | None = None
+    # The prompts as token ids, as another replica of the same deployment prepared
+    # them (``PromptInfo.tokens``): an engine may take them instead of tokenizing the
+    # prompt again. Set by the gateway only; the prompt fields stay as they were.
+    tokenized: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         given = (self.prompt, self.messages, self.prompt_tokens, self.prompts)
@@ -280,6 +286,10 @@ class PromptInfo:
     # The longest prompt, when there are several (else ``prompt_tokens``): what a
     # choice's room in the context is measured against.
     longest_prompt: int | None = None
+    # Each prompt's token ids, from an engine that tokenizes (None otherwise): what
+    # cache-aware routing looks up, and what another replica is handed with the
+    # request (``GenerationRequest.tokenized``) so that a prompt is tokenized once.
+    tokens: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(slots=True)
@@ -373,6 +383,21 @@ class SteppedEngine(Protocol):
 
     def cancel(self, request_id: str) -> None:
         """Stop a request (``Engine.cancel``); its final chunk (``abort``) carries the usage."""
+
+
+@runtime_checkable
+class CachePublishing(Protocol):
+    """An optional capability: the engine says what its KV cache holds, as chains of
+    block names (:mod:`tokenmill.kvblocks`), for cache-aware routing.
+
+    ``publish_cache(listener)`` calls ``listener`` with a ``BlockSnapshot`` of every
+    slot, then with a ``BlockUpdate`` for every change of a slot's full blocks, in
+    order, and again a snapshot whenever the engine (re)starts, until the function it
+    returns is called. Calls may come from the engine's own thread: the listener must
+    be quick and must not call the engine.
+    """
+
+    def publish_cache(self, listener: Callable[[CacheEvent], None]) -> Callable[[], None]: ...
 
 
 # Requests remembered between prepare() and generate() (a client that leaves in

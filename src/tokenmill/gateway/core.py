@@ -48,6 +48,8 @@ from tokenmill.gateway.metering import (
     cost,
 )
 from tokenmill.gateway.progress import record_progress
+from tokenmill.gateway.routing import Decision, RouteQuery
+from tokenmill.kvblocks import BLOCK_TOKENS
 
 log = logging.getLogger("tokenmill.requests")
 # A cancelled request's final chunk (its exact token count) comes within a decode
@@ -84,6 +86,8 @@ class RequestRecord:
     duration_s: float = 0.0
     # Monotonic marks along the first token's path (see tokenmill.stages).
     marks: stages.Marks = field(default_factory=dict)
+    # The routing decision: which replica, why, how much of the prompt it had cached.
+    route: Decision | None = None
 
 
 class Observer(Protocol):
@@ -123,6 +127,9 @@ class RequestStream:
         # hold's progress: what the hold is settled on if this gateway dies.
         self.delivered = 0
         self._recorded = 0
+        # When the first and the latest output arrived: the replica's measured speeds.
+        self._first_at: float | None = None
+        self._last_at: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -177,6 +184,9 @@ class RequestStream:
                 if chunk.finish_reason is not None:
                     rec.finish_reason = chunk.finish_reason
                 if output:
+                    if self._first_at is None:
+                        self._first_at = now
+                    self._last_at = now
                     for o in observers:
                         o.on_tokens(rec, now)
                 yield chunk
@@ -249,6 +259,7 @@ class RequestStream:
         self._count_service()  # before its slots go to the next account
         # Capacity first: the slot and the permit return before any slow bookkeeping.
         self._gateway._release(self.deployment, self._replica, rec, self.request.choices)
+        self._measure()
         try:
             if stream is not None:
                 if not stream.ended:
@@ -268,6 +279,22 @@ class RequestStream:
                 await self._gateway._settle(self._hold, rec)
             finally:
                 self._gateway._open.discard(self)
+
+    def _measure(self) -> None:
+        """Feed the replica's speeds with this stream's, if it ran whole and alone
+        (one choice: its tokens came one a step)."""
+        rec, dispatched = self.record, self.record.marks.get("dispatched")
+        if self.usage is None or dispatched is None or self._first_at is None:
+            return
+        if rec.finish_reason not in ("stop", "length") or self.request.choices != 1:
+            return
+        last = self._last_at or self._first_at
+        self._replica.speed.observe(
+            ttft_s=self._first_at - dispatched,
+            uncached_tokens=self.usage.prompt_tokens - self.usage.cached_tokens,
+            decode_s=last - self._first_at,
+            generated=self.usage.completion_tokens,
+        )
 
 
 async def _shielded(aw: Awaitable[T]) -> T:
@@ -369,8 +396,16 @@ class Gateway:
         deployment: Deployment,
         request: GenerationRequest,
         caller: Caller = ANONYMOUS,
+        *,
+        session: str | None = None,
     ) -> RequestStream:
-        """Admit, count the prompt, hold credit, pick a replica. Raises before streaming."""
+        """Admit, count the prompt, route it, hold credit. Raises before streaming.
+
+        The prompt is prepared (rendered, tokenized, checked) once, on any serving
+        replica; the routing policy then chooses the replica with its token ids in
+        hand, and one other than the preparer is handed the ids with the request.
+        ``session`` (the ``user`` field or ``x-session-id``) is an affinity hint.
+        """
         record = RequestRecord(request.request_id, deployment.id, caller)
         marks = stages.current()
         if marks is not None:  # the HTTP request's, with its marks so far
@@ -396,11 +431,16 @@ class Gateway:
         replica: Replica | None = None
         hold: HoldRequest | None = None
         try:
-            replica = await deployment.place(request.request_id, weight)
-            info = await replica.host.prepare(request)
+            preparer = await deployment.any_host()
+            info = await preparer.prepare(request)
             marks["prepared"] = time.monotonic()
             record.prompt_tokens = info.prompt_tokens
             deployment.admission.serve(caller.account_id, info.prompt_tokens)
+            prompt = info.tokens[0] if info.tokens else ()
+            query = RouteQuery(info.prompt_tokens, weight, session)
+            replica, record.route = await deployment.place(request.request_id, query, prompt)
+            if replica.host is not preparer and info.tokens is not None:
+                request = dataclasses.replace(request, tokenized=info.tokens)
             max_tokens = request.sampling.max_tokens
             if max_tokens <= 0:  # not given: the rest of the context window
                 longest = info.longest_prompt or info.prompt_tokens
@@ -528,9 +568,23 @@ class Gateway:
                     "status": record.status,
                     "error_code": record.error_code,
                     "charged": record.charged,
+                    "route": _route_fields(record.route),
                 }
             )
         )
 
     def stats(self) -> dict[str, Any]:
         return {d.id: d.describe() for d in self.deployments.values()}
+
+
+def _route_fields(route: Decision | None) -> dict[str, Any] | None:
+    """The ``route`` field of a request's log line (docs/routing.md)."""
+    if route is None:
+        return None
+    return {
+        "replica": route.index,
+        "reason": route.reason,
+        "cached_blocks": route.cached_tokens // BLOCK_TOKENS,
+        "cached_tokens": route.cached_tokens,
+        "score_ms": None if route.score_s is None else round(route.score_s * 1000, 3),
+    }

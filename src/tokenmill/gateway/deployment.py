@@ -3,8 +3,10 @@
 A :class:`Deployment` is a named model (the ``model`` clients send) with one or more
 :class:`Replica` objects, each on a :class:`~tokenmill.gateway.hosts.ReplicaHost`
 (the engine in this process, in a supervised child process, or in a Ray actor).
-Requests are admitted against the deployment's total slots and routed to the ready
-replica with the fewest outstanding requests.
+Requests are admitted against the deployment's total slots and routed by the
+deployment's routing policy (:mod:`tokenmill.gateway.routing`), which sees each
+serving replica's load, measured speeds and, from the replicas' published KV caches
+(:mod:`tokenmill.gateway.prefix`), how much of the prompt each one holds.
 
 A deployment of a pool (``pool = "..."``, :mod:`tokenmill.gateway.pool`) shares its
 replicas with other gateways, so its admission's slots are an upper bound, not a
@@ -20,7 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +31,12 @@ from tokenmill.engines import create_engine
 from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
 from tokenmill.gateway.hosts import ADMITTING, LocalHost, ReplicaHost, ReplicaState
+from tokenmill.gateway.prefix import PrefixIndex
 from tokenmill.gateway.process import ProcessLauncher
+from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
+from tokenmill.gateway.routing.speed import Speed
 from tokenmill.gateway.supervised import Launcher, SupervisedHost
+from tokenmill.kvblocks import BlockSnapshot, CacheEvent, chain
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -53,6 +59,7 @@ class Replica:
         self.slots = slots
         self.in_flight = 0
         self.last_used = time.monotonic()
+        self.speed = Speed()  # measured from its streams (RequestStream)
 
     @property
     def state(self) -> ReplicaState:
@@ -83,6 +90,8 @@ class Replica:
             "restarts": self.host.restarts,
             "tokens_generated": h.tokens_generated,
             "threads": h.threads,
+            "prefill_ms_per_token": _ms(self.speed.prefill_s),
+            "decode_ms_per_token": _ms(self.speed.decode_s),
         }
         if self.host.kind == "ray":
             out["node_id"] = where.node_id
@@ -155,8 +164,12 @@ class Deployment:
         # for a pool's replica then tries again.
         self._room = asyncio.Event()
         self._placing = 0  # requests admitted here, waiting for a pool's replica
+        self.routing = policy(config.routing)
+        # What each replica's KV cache holds, from the events its host passes on.
+        self.prefixes = PrefixIndex()
         for replica in self.replicas:
-            replica.host.on_change(self.refresh_capacity)
+            replica.host.on_change(self._changed(replica.index))
+            replica.host.on_cache(self._cached(replica.index))
             if isinstance(replica.host, SupervisedHost):
                 replica.host.on_status(self._wake)
         self.created = int(time.time())
@@ -179,10 +192,9 @@ class Deployment:
             self._idle.task.cancel()
         await asyncio.gather(*(r.host.close() for r in self.replicas), return_exceptions=True)
 
-    async def pick(self, weight: int = 1, avoid: Collection[Replica] = ()) -> Replica:
-        """The ready replica with the fewest busy slots (loading it if idle); one with
-        ``weight`` slots free (a request's choices run on one replica) if any has; one
-        not in ``avoid`` (refused the request: full) if any is ready."""
+    async def serving(self) -> list[Replica]:
+        """The replicas serving now (loading those of an idle-unloaded deployment);
+        ``UnavailableError`` when none is."""
         ready = [r for r in self.replicas if r.serving()]
         if not ready:
             if all(r.state == "unloaded" for r in self.replicas):
@@ -199,17 +211,55 @@ class Deployment:
                 raise UnavailableError(
                     f"deployment {self.id!r} has no ready replica ({states}); retry shortly"
                 )
-        ready = [r for r in ready if r not in avoid] or ready
-        best = min(ready, key=lambda r: (r.slots - r.in_flight < weight, r.in_flight, r.last_used))
-        best.in_flight += weight
-        best.last_used = time.monotonic()
-        return best
+        return ready
 
-    async def place(self, request_id: str, weight: int = 1) -> Replica:
-        """Pick a replica for a request of ``weight`` slots and claim them there: the
-        replica, counted busy. A pool's replica that is full (other gateways hold its
+    async def pick(self, weight: int = 1, avoid: Collection[Replica] = ()) -> Replica:
+        """A replica for ``weight`` slots by the routing policy, knowing no prompt."""
+        replica, _ = await self.route(RouteQuery(weight=weight), avoid=avoid)
+        return replica
+
+    async def route(
+        self,
+        query: RouteQuery,
+        prompt: Sequence[int] = (),
+        avoid: Collection[Replica] = (),
+    ) -> tuple[Replica, Decision]:
+        """The replica the routing policy chooses for ``query`` (``prompt``: its token
+        ids, looked up in the replicas' caches), not one in ``avoid`` (refused the
+        request: full) if another serves, with ``query.weight`` slots counted busy on it
+        until :meth:`release`."""
+        ready = await self.serving()
+        ready = [r for r in ready if r not in avoid] or ready
+        cached: dict[int, int] = {}
+        if prompt:
+            cached = self.prefixes.cached_tokens(chain(prompt))
+        views = [
+            ReplicaView(
+                index=r.index,
+                serving=r in ready,
+                slots=r.slots,
+                in_flight=r.in_flight,
+                cached_tokens=cached.get(r.index, 0),
+                prefill_s=r.speed.prefill_s,
+                decode_s=r.speed.decode_s,
+                last_used=r.last_used,
+            )
+            for r in self.replicas
+        ]
+        decision = self.routing.choose(views, query)
+        best = self.replicas[decision.index]
+        best.in_flight += query.weight
+        best.last_used = time.monotonic()
+        return best, decision
+
+    async def place(
+        self, request_id: str, query: RouteQuery, prompt: Sequence[int] = ()
+    ) -> tuple[Replica, Decision]:
+        """Route a request (:meth:`route`) and claim its slots there: the replica,
+        counted busy, and the decision. A pool's replica that is full (other gateways hold its
         slots) refuses at once: the others are tried, then, all full, the request waits
         for a replica to report a free slot, up to ``queue_timeout_s`` (then 429)."""
+        weight = query.weight
         refused: set[Replica] = set()
         deadline: float | None = None
         while True:
@@ -236,10 +286,10 @@ class Deployment:
                 refused = {r for r in refused if r.serving() and r.looks_full(weight)}
                 if len(refused) == len([r for r in self.replicas if r.serving()]):
                     continue  # nothing reports room yet
-            replica = await self.pick(weight, avoid=refused)
+            replica, decision = await self.route(query, prompt, avoid=refused)
             try:
                 await replica.host.reserve(request_id, weight)
-                return replica
+                return replica, decision
             except ReplicaFullError:
                 self.release(replica, weight)
                 refused.add(replica)
@@ -252,13 +302,12 @@ class Deployment:
         self._room = asyncio.Event()
 
     async def any_host(self) -> ReplicaHost:
-        """A serving replica, for work outside admission (tokenizing).
+        """A serving replica, for work outside admission (tokenizing, preparing).
 
         Loads the replicas of an idle-unloaded deployment as a generation would.
         """
-        replica = await self.pick()
-        self.release(replica)
-        return replica.host
+        ready = await self.serving()
+        return min(ready, key=lambda r: (r.in_flight, r.index)).host
 
     async def chat_template(self) -> str | None:
         """The model's own chat template (asked of a replica once: it is fixed), or
@@ -277,6 +326,23 @@ class Deployment:
             log.info("deployment %s: capacity %d slots", self.id, capacity)
             self.admission.resize(capacity)
         self._wake()
+
+    def _changed(self, index: int) -> Callable[[], None]:
+        def changed() -> None:
+            if not self.replicas[index].serving():
+                self.prefixes.drop(index)  # its next snapshot says what it holds
+            self.refresh_capacity()
+
+        return changed
+
+    def _cached(self, index: int) -> Callable[[CacheEvent], None]:
+        def cached(event: CacheEvent) -> None:
+            if isinstance(event, BlockSnapshot):
+                self.prefixes.reset(index, event.slots)
+            else:
+                self.prefixes.update(index, event)
+
+        return cached
 
     def release(self, replica: Replica, weight: int = 1) -> None:
         replica.in_flight -= weight
@@ -310,3 +376,7 @@ class Deployment:
             # Who waits and runs here, and the share each is owed (docs/fairness.md).
             "accounts": [dataclasses.asdict(v) for v in self.admission.accounts()],
         }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

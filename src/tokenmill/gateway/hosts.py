@@ -33,6 +33,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from tokenmill import stages
 from tokenmill.engines.base import (
+    CachePublishing,
     Engine,
     EngineHealth,
     GenerationRequest,
@@ -50,6 +51,7 @@ from tokenmill.engines.embeddings import (
     cannot_embed,
 )
 from tokenmill.errors import InvalidRequestError
+from tokenmill.kvblocks import CacheEvent
 
 ReplicaState = Literal["unloaded", "loading", "ready", "restarting", "unhealthy"]
 # States that count toward a deployment's capacity (see the module docstring).
@@ -84,6 +86,11 @@ class ReplicaHost(Protocol):
 
     def on_change(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (on the event loop) whenever ``state`` changes."""
+
+    def on_cache(self, callback: Callable[[CacheEvent], None]) -> None:
+        """Call ``callback`` (on the event loop) with what the replica's KV cache holds
+        (:mod:`tokenmill.kvblocks`): a snapshot whenever it (re)starts, then each
+        change. Never called for a replica whose engine publishes no cache."""
 
     async def start(self) -> None:
         """Load the replica; raise (and be ``unhealthy``) if it cannot. Idempotent."""
@@ -133,6 +140,8 @@ class LocalHost:
         self.engine = engine
         self._state: ReplicaState = "unloaded"
         self._callbacks: list[Callable[[], None]] = []
+        self._cache_callbacks: list[Callable[[CacheEvent], None]] = []
+        self._publishing = False
         self._lock = asyncio.Lock()
 
     @property
@@ -151,6 +160,25 @@ class LocalHost:
     def on_change(self, callback: Callable[[], None]) -> None:
         self._callbacks.append(callback)
 
+    def on_cache(self, callback: Callable[[CacheEvent], None]) -> None:
+        self._cache_callbacks.append(callback)
+
+    def _publish(self) -> None:
+        """Have the engine report its cache to the callbacks, from any of its threads."""
+        if self._publishing or not isinstance(self.engine, CachePublishing):
+            return
+        self._publishing = True
+        loop = asyncio.get_running_loop()
+
+        def deliver(event: CacheEvent) -> None:
+            for callback in self._cache_callbacks:
+                callback(event)
+
+        def publish(event: CacheEvent) -> None:
+            loop.call_soon_threadsafe(deliver, event)
+
+        self.engine.publish_cache(publish)
+
     def _set(self, state: ReplicaState) -> None:
         if state != self._state:
             self._state = state
@@ -162,6 +190,7 @@ class LocalHost:
             if self._state == "ready":
                 return
             self._set("loading")
+            self._publish()
             try:
                 await self.engine.start()
             except BaseException:

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from tokenmill import stages
 from tokenmill.engines import Engine
 from tokenmill.engines.base import (
+    CachePublishing,
     Chunk,
     GenerationRequest,
     SteppedEngine,
@@ -55,6 +56,7 @@ from tokenmill.gateway.wire import (
     decode_embedding,
     decode_request,
     decode_tokenize,
+    encode_cache_event,
     encode_error,
     encode_frame,
     encode_tokenizer_info,
@@ -197,6 +199,8 @@ class Runner:
                 "id": req.request_id,
                 "prompt_tokens": info.prompt_tokens,
                 "context_length": info.context_length,
+                # The prompts' token ids (for routing, and for another replica).
+                "k": None if info.tokens is None else [list(p) for p in info.tokens],
                 # When the work began and ended (tokenmill.stages).
                 "t": [started, time.monotonic()],
             }
@@ -338,6 +342,10 @@ async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> 
     if stepped is not None:
         stepped.set_step_sink(step_sink(frames, getattr(stepped, "first_marks", None)))
     out.send({"op": "ready", "status": runner.status()})
+    if isinstance(engine, CachePublishing):
+        # Straight to the socket, from whatever thread changes the cache (as a step's
+        # chunks are): a snapshot first, then every change (``kv_all``, ``kv``).
+        engine.publish_cache(lambda event: frames.send(encode_cache_event(event)))
     status_task = asyncio.create_task(runner.push_status())
     try:
         while True:

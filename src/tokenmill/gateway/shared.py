@@ -36,12 +36,19 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tokenmill import stages
 from tokenmill.engines import Engine
-from tokenmill.engines.base import Chunk, GenerationRequest, SteppedEngine, StepSink
+from tokenmill.engines.base import (
+    CachePublishing,
+    Chunk,
+    GenerationRequest,
+    SteppedEngine,
+    StepSink,
+)
 from tokenmill.errors import InvalidRequestError
 from tokenmill.gateway.runner import (
     STATUS_INTERVAL_S,
@@ -53,7 +60,13 @@ from tokenmill.gateway.runner import (
     step_sink,
 )
 from tokenmill.gateway.slotbook import SlotBook
-from tokenmill.gateway.wire import decode_request, encode_error, encode_frame, read_frame
+from tokenmill.gateway.wire import (
+    decode_request,
+    encode_cache_event,
+    encode_error,
+    encode_frame,
+    read_frame,
+)
 
 log = logging.getLogger("tokenmill.gateway.shared")
 
@@ -66,6 +79,8 @@ class _Attached:
     frames: FrameWriter  # any thread
     runner: Runner  # its calls and (engines without a step sink) its streams
     sink: StepSink | None  # its requests' events of a step, from the decode thread
+    # Stops sending it the engine's cache events (kv_all, kv), if the engine has them.
+    unpublish: Callable[[], None] | None = None
 
     def send(self, message: dict[str, Any]) -> None:
         self.runner.out.send(message)
@@ -168,6 +183,11 @@ class SharedReplica:
             conn = _Attached(number, frames, Runner(engine, Outbox(frames)), sink)
             self._attached[number] = conn
             conn.send({"op": "ready", "status": self.status(), "shared": True})
+            if isinstance(engine, CachePublishing):
+                # Its own snapshot, then every change (as a replica of one gateway does).
+                conn.unpublish = engine.publish_cache(
+                    lambda event: frames.send(encode_cache_event(event))
+                )
             log.info("gateway connection %d attached (%d now)", number, len(self._attached))
             await self._answer(conn, reader)
         finally:
@@ -201,6 +221,8 @@ class SharedReplica:
         if conn is None:
             return
         conn.frames.closed = True  # whatever is still on its way to it is dropped
+        if conn.unpublish is not None:
+            conn.unpublish()
         with self._lock:
             reserved, running = self.book.held_by(number)
             for rid in reserved:

@@ -48,6 +48,7 @@ from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embedd
 from tokenmill.errors import EngineError, ReplicaFullError, TokenmillError
 from tokenmill.gateway.hosts import ReplicaLocation, ReplicaState
 from tokenmill.gateway.wire import (
+    decode_cache_event,
     decode_chunk_row,
     decode_error,
     decode_tokenizer_info,
@@ -55,6 +56,7 @@ from tokenmill.gateway.wire import (
     encode_request,
     encode_tokenize,
 )
+from tokenmill.kvblocks import CacheEvent
 
 log = logging.getLogger("tokenmill.gateway.supervised")
 
@@ -162,6 +164,7 @@ class SupervisedHost:
         self._tasks: list[asyncio.Task[None]] = []
         self._callbacks: list[Callable[[], None]] = []
         self._status_callbacks: list[Callable[[], None]] = []
+        self._cache_callbacks: list[Callable[[CacheEvent], None]] = []
         self._lost = asyncio.Event()
         self._closing = False
         self._lock = asyncio.Lock()
@@ -195,6 +198,9 @@ class SupervisedHost:
         self._status = status
         for callback in self._status_callbacks:
             callback()
+
+    def on_cache(self, callback: Callable[[CacheEvent], None]) -> None:
+        self._cache_callbacks.append(callback)
 
     def _set(self, state: ReplicaState) -> None:
         if state != self._state:
@@ -354,6 +360,10 @@ class SupervisedHost:
                             stream.put(chunk)
                             if stream.ended:
                                 del streams[rid]
+                elif op in ("kv", "kv_all"):
+                    event = decode_cache_event(msg)
+                    for callback in self._cache_callbacks:
+                        callback(event)
                 elif op in ("status", "pong"):
                     self._status_changed(msg["status"])
                 elif op == "full":  # a shared replica's slots are all taken
@@ -441,7 +451,12 @@ class SupervisedHost:
         if work and current is not None and current.channel.same_clock:
             stages.mark("prepare_start", work[0])
             stages.mark("prepare_end", work[1])
-        return PromptInfo(answer["prompt_tokens"], answer["context_length"])
+        tokens = answer.get("k")
+        return PromptInfo(
+            answer["prompt_tokens"],
+            answer["context_length"],
+            tokens=None if tokens is None else tuple(tuple(p) for p in tokens),
+        )
 
     def _next_call_id(self) -> str:
         self._calls += 1

@@ -15,7 +15,9 @@ secret the gateway gave the actor, :mod:`tokenmill.gateway.rayhost`), ``prepare`
 ``embed`` (by call id), ``ping``, ``close``. Replica -> gateway: ``ready`` / ``fatal``
 (start-up), ``prepared``, ``chunks``, ``answer`` (to a call: ``tokenize`` to
 ``embed``), ``error`` (by id), ``status`` (the health snapshot, pushed when it
-changes), ``pong``.
+changes), ``pong``, and from an engine that publishes its KV cache
+(:mod:`tokenmill.kvblocks`): ``kv_all`` (every slot's block names, after ``ready``)
+then ``kv`` (one slot's change).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tokenmill.engines.base import (
 )
 from tokenmill.engines.embeddings import EmbeddingRequest
 from tokenmill.errors import EngineError, TokenmillError
+from tokenmill.kvblocks import BlockSnapshot, BlockUpdate, CacheEvent
 
 HEADER = struct.Struct(">I")
 
@@ -80,6 +83,7 @@ def encode_request(r: GenerationRequest) -> dict[str, Any]:
         else [p if isinstance(p, str) else list(p) for p in r.prompts],
         "n": r.n,
         "tl": None if r.tools is None else dataclasses.asdict(r.tools),
+        "tk": None if r.tokenized is None else [list(p) for p in r.tokenized],
     }
 
 
@@ -159,6 +163,7 @@ def decode_request(d: dict[str, Any]) -> GenerationRequest:
     messages = d["m"]
     tokens = d.get("k")
     prompts = d.get("ps")
+    tokenized = d.get("tk")
     return GenerationRequest(
         request_id=d["id"],
         sampling=SamplingParams(**s),
@@ -171,7 +176,21 @@ def decode_request(d: dict[str, Any]) -> GenerationRequest:
         else tuple(p if isinstance(p, str) else tuple(int(t) for t in p) for p in prompts),
         n=int(d.get("n", 1)),
         tools=None if d.get("tl") is None else ToolSpec(**d["tl"]),
+        tokenized=None if tokenized is None else tuple(tuple(p) for p in tokenized),
     )
+
+
+def encode_cache_event(event: CacheEvent) -> dict[str, Any]:
+    if isinstance(event, BlockSnapshot):
+        return {"op": "kv_all", "c": [list(names) for names in event.slots]}
+    return {"op": "kv", "s": event.slot, "k": event.kept, "a": list(event.added)}
+
+
+def decode_cache_event(msg: dict[str, Any]) -> CacheEvent:
+    """A ``kv_all`` or ``kv`` frame."""
+    if msg["op"] == "kv_all":
+        return BlockSnapshot(tuple(tuple(int(n) for n in names) for names in msg["c"]))
+    return BlockUpdate(int(msg["s"]), int(msg["k"]), tuple(int(n) for n in msg["a"]))
 
 
 def encode_usage(u: Usage | None) -> list[int] | None:

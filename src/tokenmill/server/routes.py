@@ -123,6 +123,8 @@ async def _generate(
         prompt_tokens=prompt_tokens,
         prompts=prompts,
         messages=messages,
+        # An affinity hint for routing: a conversation's header, else its user.
+        session=request.headers.get("x-session-id") or body.user,
     )
     return await respond(request, gen, body.stream)
 

@@ -5,7 +5,9 @@ the decode thread (:class:`~.loop.DecodeLoop`) and turns requests into groups of
 choices (:mod:`.choices`, :mod:`.intake`) for it; it hands each step's chunks to the
 streams of ``generate()`` on the event loop, or to a replica's step sink. Health,
 tokenization and embeddings' intake are answered here; everything that happens
-between two steps happens on the decode thread.
+between two steps happens on the decode thread. What the slots hold is published as
+block names (``publish_cache``, :class:`~tokenmill.kvblocks.CachePublisher`) for the
+gateway's cache-aware routing.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tokenmill import stages
@@ -45,6 +47,7 @@ from tokenmill.engines.llamacpp.slotcache import SlotCache
 from tokenmill.engines.threads import ThreadTuner, available_cpus
 from tokenmill.engines.vocab import Vocab
 from tokenmill.errors import EngineError
+from tokenmill.kvblocks import CacheEvent, CachePublisher
 
 __all__ = ["LlamaCppEngine"]
 
@@ -65,6 +68,9 @@ class _Loaded:
         )
         context = self.context
         self.cache: SlotCache[Choice] = SlotCache(n_slots, context.n_ctx_seq)
+        published = engine.published_cache
+        published.reset()  # every slot starts empty
+        self.cache.subscribe(lambda c: published.change(c.slot, c.kept, c.added))
         cv = threading.Condition()
         self.embedder = Embedder(
             context.model,
@@ -119,6 +125,8 @@ class LlamaCppEngine:
         # Streams of generate() requests, filled on the event loop by the default sink.
         self._streams: dict[str, ChunkStream] = {}
         self._prepared: Prepared[list[list[int]]] = Prepared()
+        # What the slots hold, as block names, for whoever routes to this engine.
+        self.published_cache = CachePublisher(max_num_seqs)
         self.counters = Counters()
         # Request id -> the marks of its first token (queued, picked, decoded, sampled:
         # tokenmill.stages), until the sink sends them with the token.
@@ -232,6 +240,7 @@ class LlamaCppEngine:
             prompt_tokens=sum(map(len, prompts)),
             context_length=self.n_ctx_seq,
             longest_prompt=max(map(len, prompts)),
+            tokens=tuple(tuple(p) for p in prompts),
         )
 
     def _prompts(self, request: GenerationRequest) -> list[list[int]]:
@@ -296,6 +305,9 @@ class LlamaCppEngine:
     def _enqueue(self, request: GenerationRequest) -> None:
         loaded = self._require()
         prompts = self._prepared.take(request.request_id)
+        if prompts is None and request.tokenized is not None:
+            # Prepared (tokenized and checked) by another replica of this deployment.
+            prompts = [list(p) for p in request.tokenized]
         if prompts is None:
             prompts = self._prompts(request)
         grammars = None if request.sampling.constraint is None else self._grammar_cache()
@@ -306,6 +318,12 @@ class LlamaCppEngine:
             start_grammar=None if grammars is None else grammars.start,
         )
         loaded.loop.enqueue(group)
+
+    def publish_cache(self, listener: Callable[[CacheEvent], None]) -> Callable[[], None]:
+        """Tell ``listener`` what the slots hold: a snapshot now and at every start,
+        then every change of a slot's full blocks, from the decode thread; until the
+        returned function is called."""
+        return self.published_cache.subscribe(listener)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request within one step; unknown or finished ids are ignored."""

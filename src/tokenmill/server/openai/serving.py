@@ -256,12 +256,16 @@ async def open_generation(
     prompt_tokens: tuple[int, ...] | None = None,
     prompts: tuple[PromptItem, ...] | None = None,
     messages: Sequence[Message] | None = None,
+    session: str | None = None,
 ) -> OpenAIGeneration:
-    """Open the generation through the core (may raise)."""
+    """Open the generation through the core (may raise); ``session`` is the routing's
+    affinity hint (``x-session-id``, else ``user``)."""
     request = chat_request(
         body, route, prompt=prompt, prompt_tokens=prompt_tokens, prompts=prompts, messages=messages
     )
-    generation = await chat.open_generation(gateway, deployment, request, request_id, caller)
+    generation = await chat.open_generation(
+        gateway, deployment, request, request_id, caller, session=session
+    )
     return OpenAIGeneration(
         route=route,
         generation=generation,

@@ -1,0 +1,182 @@
+"""Token sequences as chains of block hashes: how a KV cache's contents are named.
+
+A replica's KV slot holds a token sequence; a prompt is a token sequence. Both are
+cut into blocks of :data:`BLOCK_TOKENS` tokens, and block ``i`` is named by
+``hash(name of block i-1, its tokens)``: a chain, so one name stands for the whole
+prefix up to the end of its block, and two sequences share a block name exactly when
+they share every token up to it. The gateway compares a prompt's chain with the
+chains its replicas publish (:mod:`tokenmill.gateway.prefix`) to know how much of
+the prompt each one has cached. Only full blocks are named: the tokens after the last
+full block are not published and not counted.
+
+The hash is BLAKE2b cut to 8 bytes, over the parent's name and the tokens as 32-bit
+little-endian integers: stable across processes and machines (never Python's
+``hash()``, which is salted per process), and fast enough (about 1 us a block).
+
+:class:`SlotChains` follows a replica's slots as they change and says, for each
+change, which names a slot now has: what a replica publishes, through a
+:class:`CachePublisher`. Plain Python, no
+engine in it; it must never be given anything but token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "ROOT",
+    "BlockSnapshot",
+    "BlockUpdate",
+    "CacheEvent",
+    "CachePublisher",
+    "SlotChains",
+    "chain",
+    "extend_chain",
+]
+
+# 16 tokens a block: a system prompt or a previous turn is hundreds of tokens, so a
+# prefix is found to within 16 tokens (what it saves is prefill of the rest); shorter
+# blocks cost more names to publish and look up for no better routing decision.
+BLOCK_TOKENS = 16
+
+ROOT = 0  # the name "before" the first block
+_NAME = struct.Struct("<Q")
+
+
+def _block_bytes(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def extend_chain(parent: int, tokens: Sequence[int]) -> list[int]:
+    """The names of the full blocks of ``tokens``, continuing a chain after ``parent``."""
+    names: list[int] = []
+    full = len(tokens) - len(tokens) % BLOCK_TOKENS
+    if not full:
+        return names
+    data = _block_bytes(tokens[:full])
+    step = BLOCK_TOKENS * 4
+    name = parent
+    for start in range(0, len(data), step):
+        digest = hashlib.blake2b(
+            _NAME.pack(name) + data[start : start + step], digest_size=8
+        ).digest()
+        (name,) = _NAME.unpack(digest)
+        names.append(name)
+    return names
+
+
+def chain(tokens: Sequence[int]) -> list[int]:
+    """The names of ``tokens``' full blocks, from position 0."""
+    return extend_chain(ROOT, tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockUpdate:
+    """Slot ``slot`` now holds its first ``kept`` block names as before, then ``added``
+    (a slot emptied or cut below a block boundary has ``kept`` lower, ``added`` empty)."""
+
+    slot: int
+    kept: int
+    added: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSnapshot:
+    """Every slot's block names, by slot index: what a replica holds as a whole."""
+
+    slots: tuple[tuple[int, ...], ...]
+
+
+# What a replica publishes: a snapshot when it (re)connects, then one update a change.
+CacheEvent = BlockSnapshot | BlockUpdate
+
+
+class SlotChains:
+    """The block names of every slot of one replica, kept up to date change by change.
+
+    The engine reports each change of a slot's tokens as "the first ``kept`` tokens
+    stay, then ``added`` follow" (a decode, a placement, a copy, an eviction);
+    :meth:`change` returns the :class:`BlockUpdate` to publish, or None when the slot's
+    full blocks did not change (a decode inside a block).
+    """
+
+    def __init__(self, n_slots: int) -> None:
+        self._tokens: list[list[int]] = [[] for _ in range(n_slots)]
+        self._names: list[list[int]] = [[] for _ in range(n_slots)]
+
+    def change(self, slot: int, kept: int, added: Sequence[int]) -> BlockUpdate | None:
+        tokens, names = self._tokens[slot], self._names[slot]
+        if kept > len(tokens):
+            raise ValueError(f"slot {slot} holds {len(tokens)} tokens, not {kept}")
+        del tokens[kept:]
+        tokens.extend(added)
+        whole = kept // BLOCK_TOKENS  # blocks untouched by the change
+        cut = min(whole, len(names))
+        new = extend_chain(names[cut - 1] if cut else ROOT, tokens[cut * BLOCK_TOKENS :])
+        if names[cut:] == new:
+            return None
+        del names[cut:]
+        names.extend(new)
+        return BlockUpdate(slot, cut, tuple(new))
+
+    def snapshot(self) -> BlockSnapshot:
+        """Every slot's block names (what a (re)connecting gateway reads)."""
+        return BlockSnapshot(tuple(tuple(names) for names in self._names))
+
+    def tokens(self, slot: int) -> tuple[int, ...]:
+        """The tokens slot ``slot`` holds, as the changes said."""
+        return tuple(self._tokens[slot])
+
+
+class CachePublisher:
+    """What an engine's slots hold, told to listeners as :data:`CacheEvent` objects.
+
+    The engine calls :meth:`change` with every change of a slot's tokens (from its
+    decode thread) and :meth:`reset` when it (re)starts with empty slots; a listener
+    added with :meth:`subscribe` gets a :class:`BlockSnapshot` first, then every
+    :class:`BlockUpdate`, in order (one lock keeps a change from slipping between a
+    snapshot and the updates after it). Listeners must be quick and never raise.
+    """
+
+    def __init__(self, n_slots: int) -> None:
+        self._lock = threading.Lock()
+        self._chains = SlotChains(n_slots)
+        self._n_slots = n_slots
+        self._listeners: list[Callable[[CacheEvent], None]] = []
+
+    def subscribe(self, listener: Callable[[CacheEvent], None]) -> Callable[[], None]:
+        """Add ``listener``; returns the function that removes it."""
+        with self._lock:
+            listener(self._chains.snapshot())
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def change(self, slot: int, kept: int, added: Sequence[int]) -> None:
+        with self._lock:
+            update = self._chains.change(slot, kept, added)
+            if update is not None:
+                for listener in self._listeners:
+                    listener(update)
+
+    def reset(self) -> None:
+        """Every slot is empty again (the engine (re)started): listeners get a snapshot."""
+        with self._lock:
+            self._chains = SlotChains(self._n_slots)
+            snapshot = self._chains.snapshot()
+            for listener in self._listeners:
+                listener(snapshot)
+
+    def snapshot(self) -> BlockSnapshot:
+        with self._lock:
+            return self._chains.snapshot()

@@ -1,0 +1,171 @@
+"""Routing policies (gateway/routing/): pure decisions on synthetic replica states."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenmill.gateway.routing import ReplicaView, RouteQuery, policy
+from tokenmill.gateway.routing.cache_aware import DECODE_S, IMBALANCE, PREFILL_S, CacheAware
+from tokenmill.gateway.routing.least_loaded import LeastLoaded
+from tokenmill.gateway.routing.round_robin import RoundRobin
+from tokenmill.gateway.routing.speed import MIN_PREFILL_TOKENS, Speed
+
+
+def view(index: int, **kw: object) -> ReplicaView:
+    fields: dict[str, object] = {"serving": True, "slots": 16, "in_flight": 0}
+    fields.update(kw)
+    return ReplicaView(index=index, **fields)  # type: ignore[arg-type]
+
+
+PROMPT = RouteQuery(prompt_tokens=300)
+
+
+def test_policies_by_name() -> None:
+    assert isinstance(policy("cache_aware"), CacheAware)
+    assert isinstance(policy("least_loaded"), LeastLoaded)
+    assert isinstance(policy("round_robin"), RoundRobin)
+
+
+def test_the_replica_holding_the_conversation_wins_at_equal_load() -> None:
+    replicas = [view(0, cached_tokens=224), view(1, cached_tokens=288, last_used=5.0)]
+    d = CacheAware().choose(replicas, PROMPT)
+    assert (d.index, d.reason, d.cached_tokens) == (1, "cache", 288)
+    assert d.score_s == pytest.approx((300 - 288) * PREFILL_S)
+
+
+def test_some_load_is_worth_a_long_cached_prefix() -> None:
+    # One stream more costs about a decode step; 272 uncached tokens cost far more.
+    replicas = [view(0, in_flight=1, cached_tokens=288), view(1)]
+    assert CacheAware().choose(replicas, PROMPT).index == 0
+
+
+def test_load_outweighs_a_short_cached_prefix() -> None:
+    replicas = [view(0, in_flight=6, cached_tokens=32), view(1, in_flight=1)]
+    d = CacheAware().choose(replicas, PROMPT)
+    assert (d.index, d.reason) == (1, "load")
+
+
+def test_the_trade_off_is_the_formula() -> None:
+    """Expected TTFT = uncached x prefill_s + in flight x decode_s, per replica."""
+    rng = random.Random(7)
+    for _ in range(500):
+        replicas = [
+            view(
+                i,
+                in_flight=rng.randrange(0, 8),
+                cached_tokens=16 * rng.randrange(0, 19),
+                prefill_s=rng.choice([None, 5e-4, 1e-3, 4e-3]),
+                decode_s=rng.choice([None, 1e-2, 3e-2]),
+                last_used=rng.random(),
+            )
+            for i in range(3)
+        ]
+        d = CacheAware().choose(replicas, PROMPT)
+        prefills = [r.prefill_s for r in replicas if r.prefill_s is not None]
+        decodes = [r.decode_s for r in replicas if r.decode_s is not None]
+        p0 = sum(prefills) / len(prefills) if prefills else PREFILL_S
+        d0 = sum(decodes) / len(decodes) if decodes else DECODE_S
+
+        def cost(r: ReplicaView, p0: float = p0, d0: float = d0) -> float:
+            return (300 - r.cached_tokens) * (r.prefill_s or p0) + r.in_flight * (r.decode_s or d0)
+
+        if d.reason != "imbalance":
+            assert cost(replicas[d.index]) == pytest.approx(min(map(cost, replicas)))
+            assert d.score_s == pytest.approx(cost(replicas[d.index]))
+
+
+def test_badly_imbalanced_load_wins_over_the_cache() -> None:
+    gap = int(IMBALANCE * 16) + 1
+    replicas = [view(0, in_flight=gap, cached_tokens=288, decode_s=1e-6), view(1)]
+    d = CacheAware().choose(replicas, PROMPT)
+    assert (d.index, d.reason, d.cached_tokens) == (1, "imbalance", 0)
+    # Exactly at the limit it is not "badly" imbalanced yet.
+    replicas = [view(0, in_flight=gap - 1, cached_tokens=288, decode_s=1e-6), view(1)]
+    assert CacheAware().choose(replicas, PROMPT).index == 0
+
+
+def test_a_full_replica_is_never_chosen_while_another_has_room() -> None:
+    replicas = [view(0, slots=2, in_flight=2, cached_tokens=288), view(1, slots=2, in_flight=1)]
+    assert CacheAware().choose(replicas, PROMPT).index == 1
+    # A request of 2 choices needs 2 free slots.
+    replicas = [view(0, slots=4, in_flight=3, cached_tokens=288), view(1, slots=4, in_flight=2)]
+    assert CacheAware().choose(replicas, RouteQuery(300, weight=2)).index == 1
+
+
+def test_a_slower_replica_gets_less() -> None:
+    fast, slow = view(0, prefill_s=1e-3, decode_s=1e-2), view(1, prefill_s=3e-3, decode_s=3e-2)
+    assert CacheAware().choose([slow, fast], PROMPT).index == 0
+    # ... unless its cache saves more than its slowness costs.
+    cached_slow = view(1, prefill_s=3e-3, decode_s=3e-2, cached_tokens=288)
+    assert CacheAware().choose([fast, cached_slow], PROMPT).index == 1
+    # A busy fast replica against an idle slow one: 300 x 2e-3 more against 2 x 1e-2.
+    busy_fast = view(0, prefill_s=1e-3, decode_s=1e-2, in_flight=2)
+    assert CacheAware().choose([busy_fast, slow], PROMPT).index == 0
+
+
+def test_an_unmeasured_replica_counts_as_the_average() -> None:
+    measured = [view(0, prefill_s=2e-3), view(1, prefill_s=4e-3)]
+    new = view(2, cached_tokens=0, last_used=-1.0)  # assumed 3e-3: between the two
+    assert CacheAware().choose([*measured, new], PROMPT).index == 0
+    assert CacheAware().choose([measured[1], new], PROMPT).index == 2
+
+
+def test_a_replica_that_dies_is_never_chosen() -> None:
+    replicas = [view(0, serving=False, cached_tokens=288), view(1, in_flight=5)]
+    for p in (CacheAware(), LeastLoaded(), RoundRobin()):
+        assert p.choose(replicas, PROMPT).index == 1
+    with pytest.raises(ValueError, match="no serving replica"):
+        CacheAware().choose([view(0, serving=False)], PROMPT)
+
+
+def test_session_affinity_only_without_cache_information() -> None:
+    routing = CacheAware()
+    session = RouteQuery(prompt_tokens=10, session="alice")
+    first = routing.choose([view(0, last_used=2.0), view(1, last_used=1.0)], session)
+    assert (first.index, first.reason) == (1, "load")
+    # Replica 1 is now the busier one, yet the session comes back to it.
+    again = routing.choose([view(0), view(1, in_flight=1)], session)
+    assert (again.index, again.reason) == (1, "affinity")
+    # A known cached prefix on the other replica beats the hint.
+    cached = routing.choose(
+        [view(0, cached_tokens=16), view(1, in_flight=1)], RouteQuery(300, session="alice")
+    )
+    assert (cached.index, cached.reason) == (0, "cache")
+    # The session was last routed to 0; badly imbalanced, load wins over the hint.
+    busy = routing.choose([view(0, in_flight=12), view(1)], session)
+    assert (busy.index, busy.reason) == (1, "load")
+    # Not badly imbalanced: the hint (now 1) wins over a lighter load.
+    near = routing.choose([view(0, in_flight=1), view(1, in_flight=8)], session)
+    assert (near.index, near.reason) == (1, "affinity")
+
+
+def test_least_loaded_is_fewest_in_flight_then_least_recently_used() -> None:
+    p = LeastLoaded()
+    assert p.choose([view(0, in_flight=2), view(1, in_flight=1)], PROMPT).index == 1
+    assert p.choose([view(0, last_used=2.0), view(1, last_used=1.0)], PROMPT).index == 1
+    # Room for the request's choices first, even against fewer in flight.
+    roomy = [view(0, slots=1, in_flight=0), view(1, slots=8, in_flight=3)]
+    assert p.choose(roomy, RouteQuery(weight=2)).index == 1
+    d = p.choose([view(0, cached_tokens=32)], PROMPT)
+    assert (d.reason, d.cached_tokens, d.score_s) == ("least_loaded", 32, None)
+
+
+def test_round_robin_takes_turns_among_those_with_room() -> None:
+    p = RoundRobin()
+    replicas = [view(0), view(1), view(2)]
+    assert [p.choose(replicas, PROMPT).index for _ in range(4)] == [0, 1, 2, 0]
+    full = [view(0), view(1, slots=1, in_flight=1), view(2)]
+    assert [p.choose(full, PROMPT).index for _ in range(3)] == [2, 0, 2]
+
+
+def test_speed_is_a_moving_average_of_what_streams_showed() -> None:
+    speed = Speed()
+    speed.observe(ttft_s=0.3, uncached_tokens=300, decode_s=0.9, generated=10)
+    assert (speed.prefill_s, speed.decode_s) == pytest.approx((1e-3, 0.1))
+    speed.observe(ttft_s=0.6, uncached_tokens=300, decode_s=None, generated=0)
+    assert speed.prefill_s == pytest.approx(1e-3 + 0.2 * 1e-3)
+    # A mostly cached prompt says nothing of prefill speed; one token, nothing of decode.
+    speed.observe(ttft_s=0.05, uncached_tokens=MIN_PREFILL_TOKENS - 1, decode_s=0.0, generated=1)
+    assert (speed.prefill_s, speed.decode_s) == pytest.approx((1.2e-3, 0.1))

@@ -1,0 +1,40 @@
+"""The replica frames carry cache-aware routing whole: a replica's published cache
+(``kv_all``, ``kv``) and a request's prepared token ids decode to what was encoded."""
+
+from __future__ import annotations
+
+import json
+
+from tokenmill.engines.base import ChatMessage, GenerationRequest, SamplingParams
+from tokenmill.gateway.wire import (
+    decode_cache_event,
+    decode_request,
+    encode_cache_event,
+    encode_request,
+)
+from tokenmill.kvblocks import BlockSnapshot, BlockUpdate, CacheEvent, chain
+
+
+def through_json(event: CacheEvent) -> CacheEvent:
+    return decode_cache_event(json.loads(json.dumps(encode_cache_event(event))))
+
+
+def test_cache_events_survive_the_wire() -> None:
+    names = tuple(chain(list(range(64))))  # 64-bit names, some above 2**63
+    snapshot = BlockSnapshot((names, (), names[:2]))
+    assert through_json(snapshot) == snapshot
+    update = BlockUpdate(2, 1, names[1:])
+    assert through_json(update) == update
+
+
+def test_prepared_token_ids_travel_with_the_request() -> None:
+    request = GenerationRequest(
+        request_id="r",
+        sampling=SamplingParams(max_tokens=4),
+        messages=(ChatMessage("user", "hi"),),
+        tokenized=((1, 2, 3),),
+    )
+    back = decode_request(json.loads(json.dumps(encode_request(request))))
+    assert back == request
+    plain = GenerationRequest(request_id="r", sampling=SamplingParams(max_tokens=4), prompt="x")
+    assert decode_request(json.loads(json.dumps(encode_request(plain)))) == plain
