@@ -16,13 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from tokenmill import stages
 from tokenmill.config import Settings
@@ -48,10 +45,16 @@ from tokenmill.gateway.metering import (
     cost,
 )
 from tokenmill.gateway.progress import record_progress
-from tokenmill.gateway.routing import Decision, RouteQuery
-from tokenmill.kvblocks import BLOCK_TOKENS
+from tokenmill.gateway.records import (
+    Observer,
+    RequestRecord,
+    log_record,
+    new_request_id,
+)
+from tokenmill.gateway.routing import RouteQuery
 
 log = logging.getLogger("tokenmill.requests")
+__all__ = ["Gateway", "Observer", "RequestRecord", "RequestStream", "new_request_id"]
 # A cancelled request's final chunk (its exact token count) comes within a decode
 # step, however slow the machine; a replica that dies or hangs ends the stream with
 # an error (its host's probe kills a wedged one). So this is only a last resort:
@@ -59,43 +62,6 @@ log = logging.getLogger("tokenmill.requests")
 # was seen to run out on a machine at load 20, billing one token short.)
 CANCEL_WAIT_S = 300.0
 T = TypeVar("T")
-
-
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex}"
-
-
-@dataclass
-class RequestRecord:
-    """What happened to one request; handed to observers when it ends."""
-
-    request_id: str
-    deployment: str
-    caller: Caller
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str = "error"
-    status: str = "ok"
-    error_code: str | None = None
-    charged: int = 0
-    started: float = field(default_factory=time.monotonic)
-    created: float = field(default_factory=time.time)
-    queue_s: float = 0.0
-    ttft_s: float | None = None
-    duration_s: float = 0.0
-    # Monotonic marks along the first token's path (see tokenmill.stages).
-    marks: stages.Marks = field(default_factory=dict)
-    # The routing decision: which replica, why, how much of the prompt it had cached.
-    route: Decision | None = None
-
-
-class Observer(Protocol):
-    """Hooks for metrics; every method must be cheap and never raise."""
-
-    def on_start(self, record: RequestRecord) -> None: ...
-    def on_tokens(self, record: RequestRecord, now: float) -> None: ...
-    def on_finish(self, record: RequestRecord) -> None: ...
 
 
 class RequestStream:
@@ -505,7 +471,7 @@ class Gateway:
         # them via on_finish with status "rejected" (on_start was never called).
         for o in self.observers:
             o.on_finish(record)
-        self._log(record)
+        log_record(record)
 
     def _release(
         self, deployment: Deployment, replica: Replica, record: RequestRecord, weight: int
@@ -542,49 +508,7 @@ class Gateway:
                 self.records.pop(next(iter(self.records)))
             for o in self.observers:
                 o.on_finish(record)
-            self._log(record)
-
-    def _log(self, record: RequestRecord) -> None:
-        log.info(
-            json.dumps(
-                {
-                    "event": "request",
-                    "request_id": record.request_id,
-                    "deployment": record.deployment,
-                    "account": record.caller.account_id,
-                    # The class it was served in (docs/fairness.md).
-                    "priority": record.caller.priority,
-                    "prompt_tokens": record.prompt_tokens,
-                    "completion_tokens": record.completion_tokens,
-                    "cached_tokens": record.cached_tokens,
-                    "ttft_ms": None if record.ttft_s is None else round(record.ttft_s * 1000, 1),
-                    "duration_ms": round((time.monotonic() - record.started) * 1000, 1),
-                    "queue_ms": round(record.queue_s * 1000, 1),
-                    # Where the first token's time went, stage by stage (tokenmill.stages).
-                    "stages_ms": None
-                    if record.ttft_s is None
-                    else {k: round(v * 1000, 3) for k, v in stages.durations(record.marks).items()},
-                    "finish_reason": record.finish_reason,
-                    "status": record.status,
-                    "error_code": record.error_code,
-                    "charged": record.charged,
-                    "route": _route_fields(record.route),
-                }
-            )
-        )
+            log_record(record)
 
     def stats(self) -> dict[str, Any]:
         return {d.id: d.describe() for d in self.deployments.values()}
-
-
-def _route_fields(route: Decision | None) -> dict[str, Any] | None:
-    """The ``route`` field of a request's log line (docs/routing.md)."""
-    if route is None:
-        return None
-    return {
-        "replica": route.index,
-        "reason": route.reason,
-        "cached_blocks": route.cached_tokens // BLOCK_TOKENS,
-        "cached_tokens": route.cached_tokens,
-        "score_ms": None if route.score_s is None else round(route.score_s * 1000, 3),
-    }
