@@ -184,8 +184,12 @@ class EngineDriver:
         """``n`` tokens to ``rid`` (to the ``nth`` request of that name)."""
         self._send(rid, {"op": "emit", "id": rid, "n": n}, nth)
 
-    def finish(self, rid: str, reason: str = "stop", nth: int = 1) -> None:
-        self._send(rid, {"op": "finish", "id": rid, "reason": reason}, nth)
+    def finish(self, rid: str, reason: str = "stop", nth: int = 1, stop: str | None = None) -> None:
+        """End ``rid`` with ``reason``; ``stop``: on that stop string of the request."""
+        command: dict[str, Any] = {"op": "finish", "id": rid, "reason": reason}
+        if stop is not None:
+            command["stop"] = stop
+        self._send(rid, command, nth)
 
     def eos(self, rid: str, nth: int = 1) -> None:
         """End ``rid`` as a model's end-of-sequence token does: one more token, no text."""

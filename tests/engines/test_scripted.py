@@ -78,6 +78,18 @@ async def test_finish_with_stop(driven: tuple[EngineDriver, ScriptedEngine]) -> 
     assert chunks[-1] == Chunk("", "stop", Usage(3, 2), 2)
 
 
+async def test_finish_on_a_stop_string(driven: tuple[EngineDriver, ScriptedEngine]) -> None:
+    driver, engine = driven
+    sampling = SamplingParams(max_tokens=10, stop=("END", "\n"))
+    for rid, said, matched in (("t", "END", "END"), ("u", "other", None)):
+        stream = engine.generate(GenerationRequest(rid, sampling, prompt="one two"))
+        first = await started(driver, stream, rid)
+        driver.emit(rid, 1)
+        driver.finish(rid, stop=said)  # a string the request did not ask for: not named
+        chunks = [await first] + [c async for c in stream]
+        assert chunks[-1] == Chunk("", "stop", Usage(2, 1), 1, stop_sequence=matched)
+
+
 async def test_an_end_of_sequence_token_is_counted(
     driven: tuple[EngineDriver, ScriptedEngine],
 ) -> None:

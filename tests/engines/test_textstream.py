@@ -23,6 +23,19 @@ def test_stop_split_across_pieces() -> None:
     assert stopped
 
 
+def test_the_matched_stop_string_is_named() -> None:
+    ts = TextStream(("never", "rl", "world"))
+    assert ts.feed(b"Hello wo") == "Hello "
+    assert ts.matched is None
+    assert ts.feed(b"rld") == ""  # "world" starts before "rl" does
+    assert ts.stopped and ts.matched == "world"
+    earlier = TextStream(("world", "lo w"))
+    assert earlier.feed(b"Hello world") == "Hel" and earlier.matched == "lo w"
+    same_start = TextStream(("ab", "abc"))
+    assert same_start.feed(b"xabc") == "x" and same_start.matched == "ab"
+    assert TextStream(("zz",)).matched is None
+
+
 def test_partial_stop_is_released_when_it_diverges() -> None:
     out, stopped = run([b"Hello wo", b"nderful"], ("world",))
     assert "".join(out) == "Hello wonderful"
@@ -50,7 +63,10 @@ def test_matches_reference_for_any_split(text: str, stop: str, cuts: list[int]) 
     data = text.encode()
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
     pieces = [data[a:b] for a, b in itertools.pairwise(points)]
-    out, stopped = run(pieces, (stop,))
+    ts = TextStream((stop,))
+    out = [ts.feed(p) for p in pieces] + [ts.finish()]
+    stopped = ts.stopped
+    assert ts.matched == (stop if stopped else None)
     joined = "".join(out)
     if stop in text:
         assert joined == text[: text.index(stop)] and stopped

@@ -52,3 +52,23 @@ def test_tool_call_pieces_survive_the_wire() -> None:
     for chunk in chunks:
         row = json.loads(json.dumps(chunk_row("r1", chunk)))
         assert decode_chunk_row(row) == ("r1", chunk)
+
+
+def test_a_matched_stop_string_survives_the_wire() -> None:
+    chunks = [
+        Chunk("", "stop", Usage(10, 4), 4, stop_sequence="END"),
+        Chunk("last", tokens=3, index=1, choice_finish="stop", stop_sequence="\n"),
+        Chunk("", tool_calls=(ToolCallDelta(0, "c1", "f"),), stop_sequence="x"),
+    ]
+    for chunk in chunks:
+        row = json.loads(json.dumps(chunk_row("r1", chunk)))
+        assert decode_chunk_row(row) == ("r1", chunk)
+    # Rows without it (as an older replica sends them) still decode, to None.
+    assert chunk_row("r1", Chunk("", "stop", Usage(1, 1))) == ["r1", "", "stop", [1, 1, 0], 0, None]
+    old_rows = [
+        ["r1", "", "stop", [1, 1, 0], 1, None],
+        ["r1", "a", None, None, 1, None, 1, "stop"],
+        ["r1", "", None, None, 1, None, 0, None, [[0, "c1", "f", ""]]],
+    ]
+    for old in old_rows:
+        assert decode_chunk_row(old)[1].stop_sequence is None

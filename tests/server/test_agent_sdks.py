@@ -10,7 +10,8 @@ not the model's judgement.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import agents
@@ -22,6 +23,7 @@ from anthropic.types import ToolParam as AnthropicTool
 from openai.types.responses import FunctionToolParam, ResponseFunctionToolCall
 
 from tests.conftest import ServerProcess
+from tests.driver import EngineDriver, scripted_deployment
 
 MODEL = "smollm2"
 GREEDY = {"temperature": 0}
@@ -213,6 +215,107 @@ def test_messages_max_tokens_is_strict_and_billed_exactly(
         model=MODEL, messages=[{"role": "user", "content": "Tell me a long story."}]
     )
     assert counted.input_tokens == prompt
+
+
+def test_messages_stop_sequence_is_reported(claude: anthropic.Anthropic) -> None:
+    ask: Any = {
+        "model": MODEL,
+        "max_tokens": 30,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "extra_body": GREEDY,
+    }
+    (whole,) = claude.messages.create(**ask).content
+    assert whole.type == "text"
+    words = whole.text.split()
+    assert len(words) >= 4, whole.text
+    stop = words[2]  # a word the greedy answer reaches after some text
+    expected = whole.text[: whole.text.index(stop)]
+    stopped = claude.messages.create(**ask, stop_sequences=[stop, "never said"])
+    with claude.messages.stream(**ask, stop_sequences=["never said", stop]) as stream:
+        streamed_text = "".join(stream.text_stream)
+        streamed = stream.get_final_message()
+    for message in (stopped, streamed):
+        assert message.stop_reason == "stop_sequence"
+        assert message.stop_sequence == stop
+        (block,) = message.content
+        assert block.type == "text" and block.text == expected
+    assert streamed_text == expected
+    # Ended by end of sequence or max_tokens, nothing names a stop sequence.
+    plain = claude.messages.create(**ask, stop_sequences=["never said"])
+    assert plain.stop_reason in ("end_turn", "max_tokens") and plain.stop_sequence is None
+
+
+def test_a_scripted_stop_sequence_crosses_the_replica_frames(
+    start_server: Callable[..., ServerProcess], driver: EngineDriver
+) -> None:
+    # The scripted engine runs in a replica process: its final chunk, naming the stop
+    # string, reaches the gateway in a chunks frame.
+    srv = start_server(config=scripted_deployment(driver))
+    ask: Any = {
+        "model": "scripted",
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "Count words."}],
+        "stop_sequences": ["STOP", "END"],
+    }
+    with (
+        anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
+
+        def streamed() -> anthropic.types.Message:
+            with client.messages.stream(**ask) as stream:
+                return stream.get_final_message()
+
+        asks: list[Callable[[], anthropic.types.Message]] = [
+            lambda: client.messages.create(**ask),
+            streamed,
+        ]
+        for count, send in enumerate(asks, 1):
+            pending = pool.submit(send)
+            rid = str(driver.wait("started", count=count)["id"])
+            driver.emit(rid, 2)
+            driver.finish(rid, stop="END")
+            message = pending.result(timeout=120)
+            assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
+            (block,) = message.content
+            assert block.type == "text" and block.text == " w1 w2"
+            assert message.usage.output_tokens == 2
+
+
+def test_count_tokens_counts_tools_and_calls_as_billed(
+    claude: anthropic.Anthropic, server: ServerProcess
+) -> None:
+    ask: Any = {"role": "user", "content": ASK}
+    one_call = {"type": "any", "disable_parallel_tool_use": True}
+    tools: Any = {"tools": [ANTHROPIC_WEATHER], "tool_choice": one_call}
+    first = claude.messages.with_raw_response.create(
+        model=MODEL, max_tokens=40, messages=[ask], extra_body=GREEDY, **tools
+    )
+    message = first.parse()
+    (use,) = [b for b in message.content if b.type == "tool_use"]
+    counted = claude.messages.count_tokens(model=MODEL, messages=[ask], **tools)
+    bill = receipt(server, first.headers["x-request-id"])
+    assert counted.input_tokens == bill["prompt_tokens"]
+    assert counted.input_tokens == message.usage.input_tokens + (
+        message.usage.cache_read_input_tokens or 0
+    )
+    # The tool's definition is in the prompt: without it, fewer tokens.
+    bare = claude.messages.count_tokens(model=MODEL, messages=[ask])
+    assert bare.input_tokens < counted.input_tokens
+    # A conversation with the call and its result: counted as the next turn is billed.
+    result: Any = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21C"}],
+    }
+    turns: Any = [ask, {"role": "assistant", "content": message.content}, result]
+    after: Any = {"tools": [ANTHROPIC_WEATHER], "tool_choice": {"type": "none"}}
+    second = claude.messages.with_raw_response.create(
+        model=MODEL, max_tokens=5, messages=turns, extra_body=GREEDY, **after
+    )
+    recount = claude.messages.count_tokens(model=MODEL, messages=turns, **after)
+    assert recount.input_tokens == receipt(server, second.headers["x-request-id"])["prompt_tokens"]
+    asked = claude.messages.count_tokens(model=MODEL, messages=[ask], **after)
+    assert recount.input_tokens > asked.input_tokens
 
 
 def test_tool_use_tool_result_round_trip(claude: anthropic.Anthropic) -> None:

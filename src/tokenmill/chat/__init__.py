@@ -2,8 +2,9 @@
 chunks turn back into text, tool calls or JSON. Every HTTP API is a thin adapter over it.
 
 Interface changes since first published (the package's first commit): additions only,
-``Generation.tool_calls`` (whether the answer is read for calls) and
-``Generation.usage()``.
+``Generation.tool_calls`` (whether the answer is read for calls),
+``Generation.usage()``, :func:`count_prompt`, and ``stop_sequence`` on
+:class:`ChoiceEnd` and :class:`ChoiceResult`.
 
 Layering: this package sits under ``server/`` and over ``gateway/``. It imports no
 web framework and no ``tokenmill.server`` module; an API adapter imports it, never the
@@ -41,7 +42,8 @@ an async iterator of API-neutral events, every one naming its ``choice``:
   :class:`ToolCallArguments` (fragments of the arguments' JSON text, in order), then
   :class:`ToolCallEnd` (the whole arguments text) once the call is complete;
 * :class:`ChoiceEnd` with its :data:`FinishReason` (``stop``, ``length``,
-  ``tool_calls``, ``error``), after every event of that choice;
+  ``tool_calls``, ``error``), after every event of that choice, and the stop string
+  that ended it (``stop_sequence``) where the engine reports one;
 * :class:`Finished` with the request's :class:`~tokenmill.engines.base.Usage`, last.
 
 An error after the stream began (a replica crash, a shutdown) is raised out of the
@@ -50,6 +52,10 @@ its API's in-band error event. Or :meth:`Generation.collect`: the same, whole, a
 :class:`Result` (one :class:`ChoiceResult` a choice, and the usage). Either way the
 adapter must see :meth:`Generation.aclose` called (the gateway's stream settles the
 bill there): the server's SSE response and ``run_until_disconnect`` do that.
+
+:func:`count_prompt` counts a request's prompt as a generation of it would be billed
+(the same rendering, tools and calls included), without generating: for a
+count-tokens route.
 
 How tools are served (rendering, the generic JSON format and Hermes' markup, what is
 forwarded to an upstream server) is :mod:`tokenmill.chat.tools`' docstring.
@@ -69,7 +75,7 @@ from tokenmill.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from tokenmill.chat.generation import Generation, open_generation
+from tokenmill.chat.generation import Generation, count_prompt, open_generation
 from tokenmill.chat.request import (
     ChatRequest,
     FunctionTool,
@@ -97,5 +103,6 @@ __all__ = [
     "ToolCallStart",
     "ToolChoice",
     "Turn",
+    "count_prompt",
     "open_generation",
 ]

@@ -79,9 +79,11 @@ class TextAnswer:
             return [TextDelta(self.index, chunk.text, tokens)], True
         return [], True
 
-    def end(self, engine_reason: str) -> list[Event]:
+    def end(self, engine_reason: str, stop: str | None = None) -> list[Event]:
+        """The choice ended; ``stop``: the stop string that ended it."""
         self.finished = True
-        return [ChoiceEnd(self.index, public_reason(engine_reason))]
+        reason = public_reason(engine_reason)
+        return [ChoiceEnd(self.index, reason, stop if reason == "stop" else None)]
 
 
 @dataclass
@@ -123,13 +125,14 @@ class CallingAnswer:
                 found.append(ArgumentsDelta(d.index, d.arguments))
         return self._events(found), True
 
-    def end(self, engine_reason: str) -> list[Event]:
+    def end(self, engine_reason: str, stop: str | None = None) -> list[Event]:
         """The choice ended: what its reader still held, its open call's end, and its
-        finish reason."""
+        finish reason (``stop``: the stop string that ended it)."""
         self.finished = True
         held = [] if self.reader is None else self.reader.close()
         events = [*self._events(held), *self._end_call()]
-        return [*events, ChoiceEnd(self.index, self._reason(engine_reason))]
+        reason = self._reason(engine_reason)
+        return [*events, ChoiceEnd(self.index, reason, stop if reason == "stop" else None)]
 
     def _reason(self, engine_reason: str) -> FinishReason:
         if engine_reason in ("length", "error"):

@@ -80,8 +80,13 @@ class ToolCallEnd:
 
 @dataclass(frozen=True, slots=True)
 class ChoiceEnd:
+    """A choice ended. ``stop_sequence``: the request's stop string that ended it
+    (``reason`` is then ``stop``), when the engine reports it (an OpenAI-compatible
+    upstream does not)."""
+
     choice: int
     reason: FinishReason
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,7 @@ class ChoiceResult:
     tool_calls: tuple[ToolCall, ...]
     logprobs: tuple[TokenLogprob, ...]
     reason: FinishReason
+    stop_sequence: str | None = None  # as in :class:`ChoiceEnd`
 
 
 @dataclass(frozen=True, slots=True)

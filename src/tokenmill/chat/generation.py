@@ -10,6 +10,7 @@ back as :mod:`tokenmill.chat.events`, one answer a choice
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -19,7 +20,6 @@ from tokenmill.chat.events import (
     ChoiceResult,
     Event,
     Finished,
-    FinishReason,
     Result,
     TextDelta,
     ToolCallEnd,
@@ -32,7 +32,7 @@ from tokenmill.gateway.core import Gateway, RequestStream
 from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.metering import Caller
 
-__all__ = ["Generation", "open_generation"]
+__all__ = ["Generation", "count_prompt", "open_generation"]
 
 
 class Generation:
@@ -76,14 +76,16 @@ class Generation:
                 yield event
             if not ends:
                 continue
+            stop = chunk.stop_sequence
             if chunk.choice_finish is not None:
-                for event in answer.end(chunk.choice_finish):
+                for event in answer.end(chunk.choice_finish, stop):
                     yield event
             if chunk.finish_reason is not None:
                 # The request's end: its last choice's, and any still open (an abort).
                 for i in [index, *(i for i in answers if i != index)]:
                     if not answers[i].finished:
-                        for event in answers[i].end(chunk.finish_reason):
+                        matched = stop if i == index else None
+                        for event in answers[i].end(chunk.finish_reason, matched):
                             yield event
         yield Finished(self.usage())
 
@@ -96,7 +98,7 @@ class Generation:
         texts: dict[int, list[str]] = {i: [] for i in range(self.choices)}
         tokens: dict[int, list[TokenLogprob]] = {i: [] for i in range(self.choices)}
         calls: dict[int, list[ToolCall]] = {i: [] for i in range(self.choices)}
-        reasons: dict[int, FinishReason] = {}
+        ends: dict[int, ChoiceEnd] = {}
         usage = Usage(0, 0)
         async for e in self.events():
             if isinstance(e, TextDelta):
@@ -105,7 +107,7 @@ class Generation:
             elif isinstance(e, ToolCallEnd):
                 calls[e.choice].append(ToolCall(e.id, e.name, e.arguments))
             elif isinstance(e, ChoiceEnd):
-                reasons[e.choice] = e.reason
+                ends[e.choice] = e
             elif isinstance(e, Finished):
                 usage = e.usage
         choices = tuple(
@@ -113,7 +115,8 @@ class Generation:
                 text="".join(texts[i]),
                 tool_calls=tuple(calls[i]),
                 logprobs=tuple(tokens[i]),
-                reason=reasons.get(i, "stop"),
+                reason=ends[i].reason if i in ends else "stop",
+                stop_sequence=ends[i].stop_sequence if i in ends else None,
             )
             for i in range(self.choices)
         )
@@ -135,6 +138,28 @@ async def open_generation(
     """Check, build and open the engine request (may raise: a 400 naming the field,
     or whatever the gateway refuses with before streaming). ``session`` is the
     routing's affinity hint (a conversation's id, or its user)."""
+    engine_request, output = await _engine_request(deployment, request, request_id)
+    stream = await gateway.open(deployment, engine_request, caller, session=session)
+    return Generation(stream, output)
+
+
+async def count_prompt(deployment: Deployment, request: ChatRequest) -> int:
+    """The prompt tokens a generation of ``request`` is billed for (its usage's
+    ``prompt_tokens``: cached tokens included), counted as :func:`open_generation`
+    counts them: the same rendering (tools, calls, constraint), and a replica's
+    ``prepare`` of the same engine request. Checks the request as a generation would
+    (may raise a 400 naming the field); admits, holds and generates nothing."""
+    request_id = f"count-{secrets.token_hex(8)}"  # what prepare() keeps ages out unused
+    engine_request, _ = await _engine_request(deployment, request, request_id)
+    host = await deployment.any_host()
+    return (await host.prepare(engine_request)).prompt_tokens
+
+
+async def _engine_request(
+    deployment: Deployment, request: ChatRequest, request_id: str
+) -> tuple[GenerationRequest, ToolOutput]:
+    """The engine's request for ``request`` and how its answer is read (may raise a
+    400 naming the field)."""
     if request.kind == "chat" and request.messages is None:
         assert request.prompt is not None, "a chat has messages or a prompt"
         request = replace(request, messages=(Turn("user", request.prompt),), prompt=None)
@@ -167,5 +192,4 @@ async def open_generation(
         n=request.n,
         tools=None if plan is None else plan.spec,
     )
-    stream = await gateway.open(deployment, engine_request, caller, session=session)
-    return Generation(stream, "text" if plan is None else plan.output)
+    return engine_request, "text" if plan is None else plan.output

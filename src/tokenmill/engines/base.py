@@ -20,6 +20,9 @@ Contract every implementation keeps:
   ``index``, and a choice ending before the last says so with ``choice_finish``. An
   engine that generates one choice only refuses more in ``prepare``
   (``InvalidRequestError`` naming ``n``, or ``prompt`` for several prompts).
+* The chunk that ends a choice on one of the request's stop strings names it in
+  ``stop_sequence`` (finish reason ``stop``); an engine that cannot tell which
+  matched (an OpenAI-compatible upstream) leaves it None.
 * Errors are raised as :mod:`tokenmill.errors` exceptions: by ``prepare`` (or
   ``generate``) when they concern the request (context too long), as the stream's
   final item otherwise.

@@ -82,6 +82,11 @@ class Chunk:
     choice_finish: FinishReason | None = None
     # Pieces of tool calls (a request with ``tools``), in OpenAI's delta shape.
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    # The chunk that ends a choice (``choice_finish``, or ``finish_reason`` for the
+    # choice it belongs to) on a stop string: the request's stop string that matched
+    # (the earliest in the text; of two starting there, the first listed). None
+    # otherwise, and from an engine that cannot tell (an OpenAI-compatible upstream).
+    stop_sequence: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,9 @@ Driver -> engine (commands)::
     {"op": "emit", "id": R, "n": N}   N tokens, one chunk each (" w1", " w2", ...); at
                                       max_tokens the request finishes with "length"
     {"op": "finish", "id": R, "reason": "stop" | "length"}
+    {"op": "finish", "id": R, "stop": S}     the request ends on its stop string S
+                                      (``stop_sequence``; S must be one of the
+                                      request's ``stop``, else it ends as a plain stop)
     {"op": "eos", "id": R}            the model's end-of-sequence token: one more token,
                                       counted as a real engine counts it but with no
                                       text, and the request finishes with "stop"
@@ -237,7 +240,10 @@ class ScriptedEngine:
             self._end(run, Chunk("", "stop", run.usage(), run.tokens), "stop")
         elif op == "finish":
             reason: FinishReason = "length" if command.get("reason") == "length" else "stop"
-            self._end(run, Chunk("", reason, run.usage(), run.tokens), reason)
+            stop = command.get("stop")
+            matched = stop if reason == "stop" and stop in run.request.sampling.stop else None
+            final = Chunk("", reason, run.usage(), run.tokens, stop_sequence=matched)
+            self._end(run, final, reason)
         else:  # "fail"
             message = str(command.get("message", "the scripted engine failed"))
             self._end(run, EngineError(message), "error")

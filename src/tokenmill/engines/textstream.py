@@ -15,7 +15,7 @@ import codecs
 
 
 class TextStream:
-    __slots__ = ("_decoder", "_max_stop", "_pending", "_stops", "decoded", "stopped")
+    __slots__ = ("_decoder", "_max_stop", "_pending", "_stops", "decoded", "matched", "stopped")
 
     def __init__(self, stop: tuple[str, ...] = ()) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -23,6 +23,9 @@ class TextStream:
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._pending = ""
         self.stopped = False
+        # The stop string that stopped it (the earliest in the text; of two starting
+        # at the same character, the first listed), once ``stopped``.
+        self.matched: str | None = None
         # Characters decoded so far, emitted or held back: where the text of the next
         # token starts (engines align tokens with their text by it).
         self.decoded = 0
@@ -30,7 +33,8 @@ class TextStream:
     def feed(self, data: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to emit.
 
-        After a stop string is seen, ``stopped`` is true and later input is ignored.
+        After a stop string is seen, ``stopped`` is true, ``matched`` names it and
+        later input is ignored.
         """
         if self.stopped:
             return ""
@@ -48,6 +52,7 @@ class TextStream:
             i = pending.find(s, search_from)
             if i != -1 and (cut == -1 or i < cut):
                 cut = i
+                self.matched = s
         if cut != -1:
             self.stopped = True
             self._pending = ""

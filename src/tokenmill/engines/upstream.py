@@ -380,6 +380,9 @@ class UpstreamEngine:
             state.prompt_tokens = prompt_tokens
             finish, usage = await self._stream(request, state, stream)
             # The finish chunk comes before the usage chunk: it is sent once both are in.
+            # Its stop_sequence stays None: an OpenAI-compatible server reports a stop
+            # string's end as "stop", not which string matched (vLLM's extra
+            # ``stop_reason`` is not read: other servers send nothing like it).
             stream.put(Chunk("", finish, usage or state.usage()))
         except asyncio.CancelledError:
             stream.put(Chunk("", "abort", usage or state.usage()))

@@ -258,21 +258,29 @@ def decode_error(d: dict[str, Any]) -> TokenmillError:
 
 
 def chunk_row(rid: str, chunk: Chunk) -> list[Any]:
-    """One row of a ``chunks`` frame."""
+    """One row of a ``chunks`` frame: ``[rid, text, finish, usage, tokens, logprobs]``,
+    then, only when needed, ``index, choice_finish``, then ``tool_calls``, then the
+    matched ``stop_sequence`` (rows without the later fields stay short; a decoder
+    reads any of these lengths)."""
     usage = encode_usage(chunk.usage)
     logprobs = encode_logprobs(chunk.logprobs)
     row = [rid, chunk.text, chunk.finish_reason, usage, chunk.tokens, logprobs]
-    if chunk.index or chunk.choice_finish or chunk.tool_calls:  # several choices, or calls
+    stop = chunk.stop_sequence
+    if chunk.index or chunk.choice_finish or chunk.tool_calls or stop is not None:
         row += [chunk.index, chunk.choice_finish]
-    if chunk.tool_calls:
+    if chunk.tool_calls or stop is not None:
         row.append([[c.index, c.id, c.name, c.arguments] for c in chunk.tool_calls])
+    if stop is not None:
+        row.append(stop)
     return row
 
 
 def decode_chunk_row(row: list[Any]) -> tuple[str, Chunk]:
     rid, text, reason, usage, tokens, logprobs, *more = row
-    index, choice_finish, *calls = more or (0, None)
-    tool_calls = tuple(ToolCallDelta(*c) for c in calls[0]) if calls else ()
+    index, choice_finish, *rest = more or (0, None)
+    calls = rest[0] if rest else None
+    stop = rest[1] if len(rest) > 1 else None
+    tool_calls = tuple(ToolCallDelta(*c) for c in calls) if calls else ()
     chunk = Chunk(
         text,
         reason,
@@ -282,5 +290,6 @@ def decode_chunk_row(row: list[Any]) -> tuple[str, Chunk]:
         index,
         choice_finish,
         tool_calls,
+        stop,
     )
     return rid, chunk

@@ -358,6 +358,7 @@ class DecodeLoop:
         group = seq.group
         assert group is not None
         group.open -= 1
+        matched = seq.stream.matched if reason == "stop" else None
         if group.open > 0:  # other choices go on: this one's end is not the request's
             chunk = Chunk(
                 text,
@@ -365,10 +366,19 @@ class DecodeLoop:
                 logprobs=released,
                 index=seq.index,
                 choice_finish=reason,
+                stop_sequence=matched,
             )
         else:
             self._requests.finished(group.request_id)
-            chunk = Chunk(text, reason, group.usage(), group.generated, released, seq.index)
+            chunk = Chunk(
+                text,
+                reason,
+                group.usage(),
+                group.generated,
+                released,
+                seq.index,
+                stop_sequence=matched,
+            )
         events.append((seq, chunk))
 
     def _post(self, events: list[tuple[Choice, Any]]) -> None:

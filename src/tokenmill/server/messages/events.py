@@ -35,8 +35,8 @@ from tokenmill.engines.base import Usage
 from tokenmill.errors import TokenmillError
 from tokenmill.server.errors import anthropic_body
 
-# The core's finish reasons as Anthropic's stop reasons. A stop string ends a turn
-# like the end of sequence does: the engine does not say which of the two it was.
+# The core's finish reasons as Anthropic's stop reasons. A stop that names its stop
+# string is ``stop_sequence`` instead (an upstream engine names none: ``end_turn``).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -91,6 +91,9 @@ class MessageEncoder:
             if event.reason == "error":
                 raise TokenmillError("the generation failed", code="server_error")
             self.message["stop_reason"] = STOP_REASONS[event.reason]
+            if event.stop_sequence is not None:
+                self.message["stop_reason"] = "stop_sequence"
+                self.message["stop_sequence"] = event.stop_sequence
             return self._close()
         assert isinstance(event, Finished)
         return self._finish(event.usage)
@@ -139,7 +142,10 @@ class MessageEncoder:
         if self.message["stop_reason"] is None:
             self.message["stop_reason"] = "end_turn"
         self.message["usage"] = usage_body(usage)
-        delta = {"stop_reason": self.message["stop_reason"], "stop_sequence": None}
+        delta = {
+            "stop_reason": self.message["stop_reason"],
+            "stop_sequence": self.message["stop_sequence"],
+        }
         return [
             *events,
             {"type": "message_delta", "delta": delta, "usage": dict(self.message["usage"])},

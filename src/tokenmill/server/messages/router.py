@@ -15,7 +15,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from tokenmill.engines.base import ChatMessage, TokenizeRequest
 from tokenmill.server.intake import parse_body, ready_gateway
 from tokenmill.server.messages import serving
 from tokenmill.server.messages.protocol import (
@@ -100,8 +99,4 @@ async def create_message(request: Request) -> Response:
 async def count_tokens(request: Request) -> TokenCount:
     body = await parse_body(request, CountTokensRequest, TAGS)
     deployment = ready_gateway(request).deployment(body.model)
-    turns = serving.conversation(body)
-    host = await deployment.any_host()
-    messages = tuple(ChatMessage(t.role, t.content) for t in turns)
-    tokens = await host.tokenize(TokenizeRequest(messages=messages))
-    return TokenCount(input_tokens=len(tokens))
+    return TokenCount(input_tokens=await serving.count_message(deployment, body))

@@ -23,6 +23,7 @@ from tokenmill.chat import (
     NamedTool,
     ResponseFormat,
     Turn,
+    count_prompt,
     open_generation,
 )
 from tokenmill.chat.generation import Generation
@@ -173,6 +174,16 @@ def _param(param: str | None) -> str | None:
         name = param.replace(".function.", ".", 1)
         return name.replace(".parameters", ".input_schema")
     return {"response_format": "output_config.format"}.get(param, param)
+
+
+async def count_message(deployment: Deployment, body: CountTokensRequest) -> int:
+    """The prompt tokens a message with ``body`` would be billed for (its
+    ``input_tokens`` plus ``cache_read_input_tokens``): tools and calls included."""
+    try:
+        return await count_prompt(deployment, chat_request(body, SamplingParams(max_tokens=1)))
+    except InvalidRequestError as e:
+        e.param = _param(e.param)
+        raise
 
 
 async def open_message(
