@@ -4,6 +4,7 @@ the chunks' tool-call pieces, decode to what was encoded."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from tokenmill.engines.base import (
     ChatMessage,
@@ -65,7 +66,7 @@ def test_a_matched_stop_string_survives_the_wire() -> None:
         assert decode_chunk_row(row) == ("r1", chunk)
     # Rows without it (as an older replica sends them) still decode, to None.
     assert chunk_row("r1", Chunk("", "stop", Usage(1, 1))) == ["r1", "", "stop", [1, 1, 0], 0, None]
-    old_rows = [
+    old_rows: list[list[Any]] = [
         ["r1", "", "stop", [1, 1, 0], 1, None],
         ["r1", "a", None, None, 1, None, 1, "stop"],
         ["r1", "", None, None, 1, None, 0, None, [[0, "c1", "f", ""]]],

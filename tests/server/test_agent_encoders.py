@@ -240,7 +240,7 @@ def test_messages_stop_reasons(events: list[Event], reason: str) -> None:
 
 
 def test_messages_stop_sequence() -> None:
-    stopped = [TextDelta(0, "Hello"), ChoiceEnd(0, "stop", "\n\n"), Finished(USAGE)]
+    stopped: list[Event] = [TextDelta(0, "Hello"), ChoiceEnd(0, "stop", "\n\n"), Finished(USAGE)]
     out, message = encode_message(stopped)
     assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "\n\n")
     assert out[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"}

@@ -238,7 +238,7 @@ def test_messages_stop_sequence_is_reported(claude: anthropic.Anthropic) -> None
         assert message.stop_reason == "stop_sequence"
         assert message.stop_sequence == stop
         (block,) = message.content
-        assert block.type == "text" and block.text == expected
+        assert isinstance(block, anthropic.types.TextBlock) and block.text == expected
     assert streamed_text == expected
     # Ended by end of sequence or max_tokens, nothing names a stop sequence.
     plain = claude.messages.create(**ask, stop_sequences=["never said"])
@@ -278,7 +278,7 @@ def test_a_scripted_stop_sequence_crosses_the_replica_frames(
             message = pending.result(timeout=120)
             assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
             (block,) = message.content
-            assert block.type == "text" and block.text == " w1 w2"
+            assert isinstance(block, anthropic.types.TextBlock) and block.text == " w1 w2"
             assert message.usage.output_tokens == 2
 
 
