@@ -34,238 +34,46 @@ import argparse
 import asyncio
 import itertools
 import json
-import random
 import statistics
-import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from servers import SAMPLING, Server, log, tokenmill_server
+from servers import Server, log, tokenmill_server
 from summary import mark
+
+from .decision import decision_cost
+from .workload import (
+    N_CTX,
+    POLICIES,
+    REPLICAS,
+    SLOTS,
+    TURNS,
+    Window,
+    chat,
+    ms,
+    no_sharing,
+    percentile,
+    warm_up,
+)
 
 if TYPE_CHECKING:
     from scenario import Bench
 
-POLICIES = ("cache_aware", "least_loaded", "round_robin")
 BASE = "least_loaded"
-REPLICAS = 2
-SLOTS = 8  # per replica: room for every conversation in flight and some parked
-N_CTX = 1024  # per slot: a 3-turn conversation is ~350 + 3 x max_tokens tokens
-TURNS = 3
-THINK_S = (0.0, 1.5)
-SYSTEM_PROMPT = (
-    "You are the support assistant of Northwind Outfitters, a shop that sells tents, "
-    "sleeping bags, stoves, backpacks and hiking boots online and in twelve stores. "
-    "Answer in two or three short sentences, politely and precisely. Orders ship within "
-    "two working days from the warehouse in Leeds; delivery takes three to five days in "
-    "the United Kingdom and seven to ten days elsewhere in Europe. Customers may return "
-    "unused items within sixty days for a full refund; used items are inspected and "
-    "refunded in part when they show wear. Boots and tents carry a two-year warranty "
-    "against defects of manufacture, not against damage from misuse. Gift cards never "
-    "expire and cannot be exchanged for cash. Store opening hours are nine to six on "
-    "weekdays and ten to four on Saturdays; stores are closed on Sundays and public "
-    "holidays. Never promise a delivery date, a discount or a refund that these rules do "
-    "not allow; when unsure, offer to pass the question to a human colleague, who answers "
-    "within one working day. Do not ask for card numbers or passwords. Keep the tone "
-    "friendly, do not use lists, and do not repeat the customer's question back to them."
-)
-TOPICS = (
-    "a tent whose zip broke after two trips",
-    "boots that arrived in the wrong size",
-    "a parcel that has not arrived after nine days",
-    "a gift card that the checkout refuses",
-    "a stove missing its pot stand",
-    "a sleeping bag that smells of smoke",
-    "a backpack strap that tore on the first day",
-    "an order placed twice by mistake",
-)
-FOLLOW_UPS = (
-    "Thanks. Can I do that in a store instead?",
-    "And how long does the refund take after that?",
-    "What if I no longer have the receipt?",
-    "Could you pass this to a colleague, please?",
-)
 
 
-@dataclass
-class Turn:
-    turn: int  # 1, 2, 3
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-
-@dataclass
-class Window:
-    """One workload on one deployment: its turns, its length, its replicas' tokens."""
-
-    turns: list[list[Turn]] = field(default_factory=list)  # per conversation
-    seconds: float = 0.0
-    replica_tokens: list[int] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    in_flight_s: float = 0.0  # conversation-seconds: / seconds = mean in flight
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
-
-
-def ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
-
-
-def config() -> str:
+def config(slots: int) -> str:
     sections = []
     for name in POLICIES:
         sections.append(
             f'[[deployments]]\nid = "{name}"\nrouting = "{name}"\nplacement = "process"\n'
-            f"replicas = {REPLICAS}\nn_threads = 1\nmax_num_seqs = {SLOTS}\nn_ctx = {N_CTX}\n"
+            f"replicas = {REPLICAS}\nn_threads = 1\nmax_num_seqs = {slots}\nn_ctx = {N_CTX}\n"
             "max_queue = 256\nqueue_timeout_s = 600\n"
         )
     return "\n".join(sections)
-
-
-async def stream_turn(
-    client: httpx.AsyncClient,
-    model: str,
-    messages: list[dict[str, str]],
-    max_tokens: int,
-    seed: int,
-) -> tuple[str, float, dict[str, Any]]:
-    """One streamed chat completion: its text, TTFT in seconds and usage."""
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "seed": seed,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **SAMPLING,
-    }
-    sent = time.perf_counter()
-    ttft: float | None = None
-    text: list[str] = []
-    usage: dict[str, Any] = {}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    if ttft is None:
-                        ttft = time.perf_counter() - sent
-                    text.append(content)
-    if ttft is None or not usage:
-        raise RuntimeError("stream ended without content or usage")
-    return "".join(text), ttft, usage
-
-
-def as_turn(n: int, ttft: float, usage: dict[str, Any]) -> Turn:
-    details = usage.get("prompt_tokens_details") or {}
-    return Turn(
-        n,
-        ttft,
-        int(usage["prompt_tokens"]),
-        int(details.get("cached_tokens") or 0),
-        int(usage["completion_tokens"]),
-    )
-
-
-async def conversation(
-    client: httpx.AsyncClient, model: str, rep: int, i: int, max_tokens: int, window: Window
-) -> None:
-    rng = random.Random(f"think-{rep}-{i}")
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {
-            "role": "user",
-            "content": f"Hello, I am customer {rep}-{i} (order {4000 + 97 * i + rep}). "
-            f"I am writing about {TOPICS[(i + rep) % len(TOPICS)]}. What can I do?",
-        },
-    ]
-    turns: list[Turn] = []
-    for n in range(1, TURNS + 1):
-        if n > 1:
-            await asyncio.sleep(rng.uniform(*THINK_S))
-            messages.append({"role": "user", "content": FOLLOW_UPS[(i + n) % len(FOLLOW_UPS)]})
-        text, ttft, usage = await stream_turn(client, model, messages, max_tokens, rep * 1000 + i)
-        turns.append(as_turn(n, ttft, usage))
-        messages.append({"role": "assistant", "content": text})
-    window.turns.append(turns)
-
-
-async def chat(url: str, model: str, rep: int, args: argparse.Namespace) -> Window:
-    window = Window()
-    rng = random.Random(f"arrivals-{rep}")
-    gate = asyncio.Semaphore(args.routing_concurrency)
-    start = time.perf_counter()
-
-    async def one(i: int, at: float, client: httpx.AsyncClient) -> None:
-        await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
-        async with gate:
-            began = time.perf_counter()
-            try:
-                await conversation(client, model, rep, i, args.routing_max_tokens, window)
-            except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as e:
-                window.errors.append(f"conversation {i}: {e}")
-            window.in_flight_s += time.perf_counter() - began
-
-    arrivals, at = [], 0.0
-    for _ in range(args.routing_conversations):
-        arrivals.append(at)
-        at += args.routing_gap * rng.uniform(0.5, 1.5)
-    limits = httpx.Limits(max_connections=args.routing_concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
-        await asyncio.gather(*(one(i, a, client) for i, a in enumerate(arrivals)))
-    window.seconds = time.perf_counter() - start
-    return window
-
-
-async def no_sharing(url: str, model: str, rep: int, args: argparse.Namespace) -> Window:
-    window = Window()
-    queue = list(range(args.routing_prompts))
-    start = time.perf_counter()
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while queue:
-            i = queue.pop(0)
-            # A distinct first block: nothing of one prompt is in any other's cache.
-            messages = [
-                {"role": "system", "content": f"Ticket {rep}-{i}-{random.Random(i).random()}."},
-                {
-                    "role": "user",
-                    "content": f"Describe item number {i * 7919 + rep} of the catalogue, "
-                    f"{TOPICS[i % len(TOPICS)]} aside, in a few sentences.",
-                },
-            ]
-            try:
-                _, ttft, usage = await stream_turn(
-                    client, model, messages, args.routing_max_tokens, rep * 1000 + i
-                )
-                window.turns.append([as_turn(1, ttft, usage)])
-            except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as e:
-                window.errors.append(f"prompt {i}: {e}")
-
-    limits = httpx.Limits(max_connections=args.routing_concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(args.routing_concurrency)))
-    window.seconds = time.perf_counter() - start
-    return window
 
 
 def replica_tokens(url: str, deployment: str) -> list[int]:
@@ -284,72 +92,6 @@ def measured(
     return window
 
 
-def warm_up(server: Server, max_tokens: int) -> None:
-    """A few concurrent requests on every deployment: both replicas run and are measured."""
-
-    async def go() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=600.0) as client:
-            for model in POLICIES:
-                await asyncio.gather(
-                    *(
-                        stream_turn(
-                            client,
-                            model,
-                            [{"role": "user", "content": f"Warm-up {k}: say hello."}],
-                            max_tokens,
-                            k,
-                        )
-                        for k in range(2 * REPLICAS)
-                    )
-                )
-
-    asyncio.run(go())
-
-
-def decision_cost(iterations: int) -> dict[str, Any]:
-    """What routing a 300-token prompt costs in the gateway, in microseconds: the chain,
-    the index lookup over 2 replicas' slots, the views and ``CacheAware.choose``."""
-    from tokenmill.gateway.prefix import PrefixIndex
-    from tokenmill.gateway.routing import ReplicaView, RouteQuery
-    from tokenmill.gateway.routing.cache_aware import CacheAware
-    from tokenmill.kvblocks import chain
-
-    rng = random.Random(26)
-    system = [rng.randrange(49_000) for _ in range(250)]
-    index = PrefixIndex()
-    for replica in range(REPLICAS):
-        slots = [chain(system + [rng.randrange(49_000) for _ in range(250)]) for _ in range(SLOTS)]
-        index.reset(replica, slots)
-    prompt = system + [rng.randrange(49_000) for _ in range(50)]
-    policy = CacheAware()
-    samples: list[float] = []
-    for k in range(iterations):
-        began = time.perf_counter()
-        cached = index.cached_tokens(chain(prompt))
-        views = [
-            ReplicaView(
-                index=r,
-                serving=True,
-                slots=SLOTS,
-                in_flight=(k + r) % 4,
-                cached_tokens=cached.get(r, 0),
-                prefill_s=1e-3,
-                decode_s=2e-2,
-                last_used=float(k),
-            )
-            for r in range(REPLICAS)
-        ]
-        policy.choose(views, RouteQuery(prompt_tokens=len(prompt), session=f"s{k % 64}"))
-        samples.append(time.perf_counter() - began)
-    micro = [s * 1e6 for s in samples]
-    return {
-        "iterations": iterations,
-        "prompt_tokens": len(prompt),
-        "p50_us": round(statistics.median(micro), 1),
-        "p99_us": round(percentile(micro, 0.99) or 0.0, 1),
-    }
-
-
 def route_reasons(log_path: Path) -> dict[str, dict[str, int]]:
     """Routing reasons per deployment, from the gateway's request log lines."""
     out: dict[str, dict[str, int]] = {p: {} for p in POLICIES}
@@ -366,6 +108,12 @@ def route_reasons(log_path: Path) -> dict[str, dict[str, int]]:
             counts = out[deployment]
             counts[route["reason"]] = counts.get(route["reason"], 0) + 1
     return out
+
+
+def shares(deltas: list[list[int]]) -> list[float]:
+    """Each replica's fraction of the tokens, over several windows' deltas."""
+    tokens = [sum(col) for col in zip(*deltas, strict=True)]
+    return [round(n / (sum(tokens) or 1), 4) for n in tokens]
 
 
 def summarize(chats: list[Window], plains: list[Window]) -> dict[str, Any]:
@@ -400,6 +148,7 @@ def summarize(chats: list[Window], plains: list[Window]) -> dict[str, Any]:
         ),
         "replica_tokens": tokens,
         "replica_share": [round(n / total, 4) for n in tokens],
+        "no_sharing_share": shares([w.replica_tokens for w in plains]),
         "no_sharing_tok_s": statistics.median(
             round(sum(t.completion_tokens for c in w.turns for t in c) / w.seconds, 2)
             for w in plains
@@ -416,7 +165,7 @@ def measure(bench: Bench) -> dict[str, Any]:
     results: dict[str, Any] = {
         "settings": {
             "replicas": REPLICAS,
-            "slots": SLOTS,
+            "slots": args.routing_slots,
             "n_threads": 1,
             "conversations": args.routing_conversations,
             "turns": TURNS,
@@ -426,12 +175,12 @@ def measure(bench: Bench) -> dict[str, Any]:
             "max_tokens": args.routing_max_tokens,
             "reps": args.routing_reps,
         },
-        "decision": decision_cost(args.routing_decisions),
+        "decision": decision_cost(args.routing_decisions, args.routing_slots),
     }
     tmp = bench.tmp / "routing"
     tmp.mkdir(parents=True, exist_ok=True)
     cfg = tmp / "routing.toml"
-    cfg.write_text(config())
+    cfg.write_text(config(args.routing_slots))
     server = tokenmill_server("tokenmill-routing", tmp, ("--config", str(cfg)))
     chats: dict[str, list[Window]] = {p: [] for p in POLICIES}
     plains: dict[str, list[Window]] = {p: [] for p in POLICIES}
@@ -466,7 +215,8 @@ def report(section: dict[str, Any]) -> str:
         f"no sharing: {s['prompts']} distinct prompts from {s['concurrency']} workers; "
         f"max_tokens {s['max_tokens']}; {s['reps']} repetition(s), policies in turn",
         f"{'policy':<13} {'whole':>6} {'cached':>7} {'ttft p50':>9} {'ttft p99':>9} "
-        f"{'chat t/s':>9} {'in flt':>6} {'share':>13} {'plain t/s':>9} {'x ll':>6}",
+        f"{'chat t/s':>9} {'in flt':>6} {'share':>13} {'plain t/s':>9} {'x ll':>6} "
+        f"{'plain share':>11}",
     ]
     base = policies.get(BASE)
     for name, p in policies.items():
@@ -476,14 +226,15 @@ def report(section: dict[str, Any]) -> str:
             else None
         )
         share = "/".join(f"{x:.2f}" for x in p["replica_share"])
+        plain_share = "/".join(f"{x:.2f}" for x in p["no_sharing_share"])
         cells: list[object] = [
             p["whole_prompt_cached"],
             p["cached_over_prompt"],
             p["later_ttft_p50_ms"],
         ]
         cells += [p["later_ttft_p99_ms"], p["chat_tok_s"], p["mean_in_flight"], share]
-        cells += [p["no_sharing_tok_s"], "-" if ratio is None else f"{ratio:.3f}"]
-        widths = (6, 7, 9, 9, 9, 6, 13, 9, 6)
+        cells += [p["no_sharing_tok_s"], "-" if ratio is None else f"{ratio:.3f}", plain_share]
+        widths = (6, 7, 9, 9, 9, 6, 13, 9, 6, 11)
         lines.append(
             f"{name:<13} " + " ".join(f"{c!s:>{w}}" for c, w in zip(cells, widths, strict=True))
         )
@@ -491,7 +242,8 @@ def report(section: dict[str, Any]) -> str:
             lines.append(f"  {name}: {len(p['errors'])} errors, first: {p['errors'][0]}")
     lines.append(
         "  whole: later turns (2, 3) whose cached_tokens >= the previous turn's prompt; "
-        "cached: cached / prompt tokens; ttft: later turns, ms; share: replicas' tokens"
+        "cached: cached / prompt tokens; ttft: later turns, ms; share: "
+        "replicas' tokens in the chats; x ll: no-sharing tok/s / least_loaded's"
     )
     if base and base["later_ttft_p50_ms"]:
         lines.append(
@@ -570,6 +322,12 @@ class Routing:
         )
         parser.add_argument(
             "--routing-max-tokens", type=int, default=32, help="tokens of every answer"
+        )
+        parser.add_argument(
+            "--routing-slots",
+            type=int,
+            default=SLOTS,
+            help="slots of each replica (cache_aware's imbalance bar is half of them)",
         )
         parser.add_argument(
             "--routing-reps", type=int, default=2, help="repetitions of every policy, rotated"
