@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -79,6 +80,13 @@ def config(slots: int) -> str:
 def replica_tokens(url: str, deployment: str) -> list[int]:
     d = httpx.get(f"{url}/v1/deployments/{deployment}", timeout=30.0).json()
     return [int(r["tokens_generated"]) for r in d["replicas"]]
+
+
+def replica_speeds(url: str, deployment: str) -> list[dict[str, Any]]:
+    """Each replica's measured speeds at the end, as the routing policy last saw them."""
+    d = httpx.get(f"{url}/v1/deployments/{deployment}", timeout=30.0).json()
+    keys = ("prefill_ms_per_token", "decode_ms_per_token", "tokens_generated")
+    return [{k: r[k] for k in keys} for r in d["replicas"]]
 
 
 def measured(
@@ -174,6 +182,7 @@ def measure(bench: Bench) -> dict[str, Any]:
             "prompts": args.routing_prompts,
             "max_tokens": args.routing_max_tokens,
             "reps": args.routing_reps,
+            "load_average_before": [round(x, 2) for x in os.getloadavg()],
         },
         "decision": decision_cost(args.routing_decisions, args.routing_slots),
     }
@@ -195,6 +204,7 @@ def measure(bench: Bench) -> dict[str, Any]:
                 chats[policy].append(measured(server, policy, partial(chat, *common)))
                 plains[policy].append(measured(server, policy, partial(no_sharing, *common)))
                 log(f"routing: repetition {rep + 1}/{args.routing_reps} on {policy} done")
+        results["replicas"] = {p: replica_speeds(server.url, p) for p in POLICIES}
     except KeyboardInterrupt:
         bench.results["interrupted"] = True
     finally:
@@ -202,6 +212,7 @@ def measure(bench: Bench) -> dict[str, Any]:
     done = [p for p in POLICIES if chats[p] and plains[p]]
     results["policies"] = {p: summarize(chats[p], plains[p]) for p in done}
     results["reasons"] = route_reasons(server.log_path)
+    results["settings"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     return results
 
 
@@ -255,6 +266,11 @@ def report(section: dict[str, Any]) -> str:
             )
         )
     lines.append(f"  route reasons (log): {section.get('reasons')}")
+    lines.append(f"  replicas at the end: {section.get('replicas')}")
+    lines.append(
+        f"  load average (1, 5, 15 min) before {s.get('load_average_before')}, "
+        f"after {s.get('load_average_after')}"
+    )
     d = section["decision"]
     lines.append(
         f"  routing decision ({d['prompt_tokens']}-token prompt, 2 replicas, in-process, "
