@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from scenario import Scenario
 
-from . import constrained, fairness, logprobs, ray, versus
+from . import constrained, fairness, logprobs, ray, routing, versus
 
 SCENARIOS: tuple[Scenario, ...] = (
     versus.SCENARIO,
@@ -16,4 +16,5 @@ SCENARIOS: tuple[Scenario, ...] = (
     constrained.SCENARIO,
     ray.SCENARIO,
     fairness.SCENARIO,
+    routing.SCENARIO,
 )

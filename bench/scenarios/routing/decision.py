@@ -1,0 +1,55 @@
+"""What the gateway's routing decision costs, timed in-process: the gateway exposes no
+timing of it, so it is measured here, before any server starts, on synthetic state."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from .workload import REPLICAS, percentile
+
+
+def decision_cost(iterations: int, slots: int) -> dict[str, Any]:
+    """What routing a 300-token prompt costs in the gateway, in microseconds: the chain,
+    the index lookup over 2 replicas' slots, the views and ``CacheAware.choose``."""
+    from tokenmill.gateway.prefix import PrefixIndex
+    from tokenmill.gateway.routing import ReplicaView, RouteQuery
+    from tokenmill.gateway.routing.cache_aware import CacheAware
+    from tokenmill.kvblocks import chain
+
+    rng = random.Random(26)
+    system = [rng.randrange(49_000) for _ in range(250)]
+    index = PrefixIndex()
+    for replica in range(REPLICAS):
+        held = [chain(system + [rng.randrange(49_000) for _ in range(250)]) for _ in range(slots)]
+        index.reset(replica, held)
+    prompt = system + [rng.randrange(49_000) for _ in range(50)]
+    policy = CacheAware()
+    samples: list[float] = []
+    for k in range(iterations):
+        began = time.perf_counter()
+        cached = index.cached_tokens(chain(prompt))
+        views = [
+            ReplicaView(
+                index=r,
+                serving=True,
+                slots=slots,
+                in_flight=(k + r) % 4,
+                cached_tokens=cached.get(r, 0),
+                prefill_s=1e-3,
+                decode_s=2e-2,
+                last_used=float(k),
+            )
+            for r in range(REPLICAS)
+        ]
+        policy.choose(views, RouteQuery(prompt_tokens=len(prompt), session=f"s{k % 64}"))
+        samples.append(time.perf_counter() - began)
+    micro = [s * 1e6 for s in samples]
+    return {
+        "iterations": iterations,
+        "prompt_tokens": len(prompt),
+        "p50_us": round(statistics.median(micro), 1),
+        "p99_us": round(percentile(micro, 0.99) or 0.0, 1),
+    }
