@@ -210,17 +210,17 @@ async def stream_generation(
         source = await opening
         return EventStreamResponse(source.events(), source.aclose, headers)
     task = asyncio.ensure_future(opening)
+    opened = _Opening(task, in_band)
     try:
         await asyncio.wait([task], timeout=keepalive_s)
-    except BaseException:
-        task.cancel()
+    except BaseException:  # this handler cancelled: the opening must not outlive it
+        await asyncio.shield(opened.aclose())
         raise
     if task.done():
         source = task.result()  # a refusal raises here: its HTTP status
         return EventStreamResponse(
             source.events(), source.aclose, headers, keepalive_s=keepalive_s, ping=in_band.ping
         )
-    opened = _Opening(task, in_band)
     return EventStreamResponse(
         opened.events(), opened.aclose, headers, keepalive_s=keepalive_s, ping=in_band.ping
     )
