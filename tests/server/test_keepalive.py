@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -256,3 +257,98 @@ def test_the_openai_sdk_raises_the_in_band_queue_timeout(
             list(stream)
         driver.finish("holder")
         assert list(holder)[-1] == DONE
+
+
+# -- the agent APIs: their own ping and error events ------------------------------------
+
+
+def test_a_messages_stream_pings_anthropics_way_and_ends_with_its_error_event(
+    driver: EngineDriver, start_server: Callable[..., ServerProcess]
+) -> None:
+    srv = serve(start_server, driver, queue_timeout_s=QUEUE_TIMEOUT_S)
+    body = {
+        "model": "scripted",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "stream": True,
+    }
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+        with c.stream("POST", **completion("holder")) as held:
+            holder = events(held)
+            driver.started("holder")
+            with c.stream("POST", "/v1/messages", json=body) as r:
+                assert r.status_code == 200, r.read()
+                got = [line for line in r.iter_lines() if line]
+            driver.finish("holder")
+            assert list(holder)[-1] == DONE
+    # Anthropic's ping events while it waited, then its error event, and nothing after.
+    error = got.index("event: error")
+    assert error >= 2 and got[:error] == ["event: ping", 'data: {"type":"ping"}'] * (error // 2)
+    assert got[error + 2 :] == []
+    event = json.loads(got[error + 1].removeprefix("data: "))
+    assert event["type"] == "error" and event["error"]["type"] == "rate_limit_error"
+    assert "waited 0.5s in the queue" in event["error"]["message"]
+
+
+def test_the_agent_sdks_read_streams_that_pinged(
+    driver: EngineDriver, start_server: Callable[..., ServerProcess]
+) -> None:
+    srv = serve(start_server, driver)
+    messages: list[anthropic.types.MessageParam] = [{"role": "user", "content": PROMPT}]
+    with (
+        httpx.Client(base_url=srv.url, timeout=HANG_S) as c,
+        openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as oai,
+        anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0) as claude,
+        c.stream("POST", **completion("holder")) as held,
+    ):
+        holder = events(held)
+        driver.started("holder")
+        # Each SDK has its stream's head while the request still waits in the queue.
+        message = claude.messages.create(
+            model="scripted",
+            max_tokens=2,
+            messages=messages,
+            stream=True,
+            extra_headers={"x-request-id": "message"},
+        )
+        response = oai.responses.create(
+            model="scripted",
+            input=PROMPT,
+            max_output_tokens=2,
+            stream=True,
+            extra_headers={"x-request-id": "response"},
+        )
+        assert queued(c) == 2
+        driver.finish("holder")
+        assert list(holder)[-1] == DONE
+        driver.emit("message", 2)
+        deltas = [
+            e.delta.text
+            for e in message
+            if e.type == "content_block_delta" and e.delta.type == "text_delta"
+        ]
+        assert "".join(deltas) == " w1 w2"
+        driver.emit("response", 2)
+        last = list(response)[-1]
+        assert last.type == "response.incomplete"  # max_output_tokens reached
+        assert last.response.output_text == " w1 w2"
+
+
+def test_a_responses_stream_refused_after_its_head_ends_with_its_error_event(
+    driver: EngineDriver, start_server: Callable[..., ServerProcess]
+) -> None:
+    srv = serve(start_server, driver, queue_timeout_s=QUEUE_TIMEOUT_S)
+    with (
+        httpx.Client(base_url=srv.url, timeout=HANG_S) as c,
+        openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as oai,
+        c.stream("POST", **completion("holder")) as held,
+    ):
+        holder = events(held)
+        driver.started("holder")
+        got = list(oai.responses.create(model="scripted", input=PROMPT, stream=True))
+        driver.finish("holder")
+        assert list(holder)[-1] == DONE
+    assert [e.type for e in got] == ["error"]
+    error = got[0]
+    assert error.type == "error"  # for the type checker
+    assert error.code == "queue_timeout" and "waited 0.5s in the queue" in error.message
