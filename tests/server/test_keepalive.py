@@ -154,7 +154,8 @@ def test_a_client_leaving_a_queued_stream_gives_its_place_back(
             holder = events(held)
             driver.started("holder")
             with c.stream("POST", **completion("leaver")) as r:
-                next_ping(lines(r))
+                leaver = lines(r)  # referenced: a dropped reader closes the connection
+                next_ping(leaver)
                 assert queued(c) == 1
             # Gone while it waited: its place in the queue (of one) is free again.
             wait_until(lambda: queued(c) == 0, "the queued request to leave the queue")
