@@ -9,27 +9,38 @@ from typing import Any
 import httpx
 
 DONE = "[DONE]"
+PING = ": ping"  # the keep-alive comment (stream_keepalive_s)
 Event = dict[str, Any] | str  # a JSON event, or DONE
+
+
+def lines(r: httpx.Response) -> Iterator[str]:
+    """The lines of a streamed response as they arrive, blank ones left out: ``data:``
+    lines and keep-alive pings. Checked: nothing else, and nothing after DONE."""
+    done = False
+    for line in r.iter_lines():
+        if not line:
+            continue
+        assert not done, f"{line!r} after data: [DONE]"
+        assert line == PING or line.startswith("data: "), f"not a server-sent line: {line!r}"
+        done = line == f"data: {DONE}"
+        yield line
 
 
 def events(r: httpx.Response) -> Iterator[Event]:
     """The ``data:`` events of a streamed response: each JSON one decoded, then DONE.
 
     The framing is checked as the events are read: tokenmill sends nothing but
-    ``data:`` lines and the blank lines between them, and nothing after DONE.
+    ``data:`` lines, keep-alive pings (skipped here) and the blank lines between
+    them, and nothing after DONE.
 
     Keep the iterator referenced while the stream should stay open: a dropped one
     closes the connection, which the server sees as the client leaving.
     """
-    done = False
-    for line in r.iter_lines():
-        if not line:
+    for line in lines(r):
+        if line == PING:
             continue
-        assert not done, f"{line!r} after data: [DONE]"
-        assert line.startswith("data: "), f"not a server-sent data line: {line!r}"
         data = line.removeprefix("data: ")
         if data == DONE:
-            done = True
             yield DONE
         else:
             yield json.loads(data)

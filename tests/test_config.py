@@ -397,3 +397,12 @@ def test_unknown_engine_is_readable(tmp_path: Path) -> None:
 def test_a_deployment_that_is_not_a_table(tmp_path: Path) -> None:
     message = config_error(tmp_path, 'deployments = ["a"]\n')
     assert "deployments.0: Input should be a valid dictionary" in message
+
+
+def test_stream_keepalive_from_file_and_environment(tmp_path: Path) -> None:
+    assert load_toml(tmp_path, one("")).stream_keepalive_s == 5.0  # on by default
+    assert load_toml(tmp_path, "stream_keepalive_s = 15\n" + one("")).stream_keepalive_s == 15
+    env = {"TOKENMILL_STREAM_KEEPALIVE_S": "0"}  # off
+    assert load_toml(tmp_path, "stream_keepalive_s = 15\n" + one(""), env).stream_keepalive_s == 0
+    message = config_error(tmp_path, "stream_keepalive_s = -1\n" + one(""))
+    assert "stream_keepalive_s: Input should be greater than or equal to 0" in message

@@ -50,6 +50,11 @@ DEFAULT_CLIENT_TIMEOUT_S = 30.0
 DEFAULT_PROMOTE_AFTER_S = 10.0
 # How long a stored response (the Responses API's ``store``) is kept: OpenAI's 30 days.
 DEFAULT_RESPONSES_RETENTION_S = 30 * 24 * 3600.0
+# A stream that has sent nothing for this long sends a ping (and a request still
+# waiting to open gets its response head): well inside the shortest idle limits met in
+# front of servers (30 s to a first byte, 60 s idle), soon enough that a client can
+# tell a waiting server from a dead one, and a ping is 8 bytes.
+DEFAULT_STREAM_KEEPALIVE_S = 5.0
 
 
 class ConfigError(Exception):
@@ -375,6 +380,8 @@ class Settings(BaseModel):
     responses_retention_s: float = Field(
         default=DEFAULT_RESPONSES_RETENTION_S, gt=0, allow_inf_nan=False
     )
+    # Keep-alive pings of streamed responses (tokenmill.server.sse); 0 or None: none.
+    stream_keepalive_s: float | None = Field(default=DEFAULT_STREAM_KEEPALIVE_S, ge=0)
     # The Ray cluster of deployments with placement = "ray": "local" starts a private
     # Ray instance in this host (also what such deployments get when this is unset),
     # anything else is given to ray.init: "auto", "ray://head:10001", ...
@@ -435,6 +442,7 @@ _ENV_KEYS = (
     "drain_s",
     "client_timeout_s",
     "responses_retention_s",
+    "stream_keepalive_s",
     "ray_address",
 )
 

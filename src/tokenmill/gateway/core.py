@@ -423,7 +423,15 @@ class Gateway:
                 max_tokens=max_tokens * weight,
                 amount=cost(deployment.config.price, info.prompt_tokens, max_tokens * weight),
             )
-            await self.meter.hold(hold)
+            try:
+                # A hold half-written when the caller gives up (a client leaving a
+                # stream that waited behind keep-alive pings) would stay open until the
+                # sweeper: it is written whole, then released unbilled below.
+                await _shielded(self.meter.hold(hold))
+            except asyncio.CancelledError:
+                unserved = Settlement(hold.request_id, hold.prompt_tokens, 0, "abort", 0)
+                await _shielded(self.meter.settle(hold, unserved))
+                raise
             marks["held"] = time.monotonic()
         except BaseException as e:
             if replica is not None:

@@ -7,6 +7,7 @@ body or as server-sent events. All logic lives below this layer.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -48,7 +49,7 @@ from tokenmill.server.openapi import (
     schema_of,
 )
 from tokenmill.server.protocol import DeploymentInfo, DeploymentList, ModelCard, ModelList
-from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
+from tokenmill.server.sse import EventStreamResponse, run_until_disconnect, stream_generation
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
@@ -88,10 +89,13 @@ async def parse(request: Request, model: type[M]) -> M:
     return parsed
 
 
-async def respond(request: Request, gen: OpenAIGeneration, stream: bool) -> Response:
-    headers = {"x-request-id": gen.request_id}
-    if stream:
-        return EventStreamResponse(gen.events(), gen.aclose, headers)
+async def respond(
+    request: Request, opening: Coroutine[Any, Any, OpenAIGeneration], stream: bool
+) -> Response:
+    headers = {"x-request-id": request.state.request_id}
+    if stream:  # opened behind keep-alive pings where it waits (server/sse.py)
+        return await stream_generation(request, opening, headers)
+    gen = await opening
     body = await run_until_disconnect(request.receive, gen.collect, gen.aclose)
     if body is None:  # the client left; nobody reads this
         return Response(status_code=499)
@@ -112,7 +116,7 @@ async def _generate(
     gw = gateway_of(request)
     # The class it asked for, at most its key's (docs/fairness.md).
     caller = request.state.caller.asking(requested_priority(body.priority, body.service_tier))
-    gen = await open_generation(
+    opening = open_generation(
         gw,
         deployment,
         body,
@@ -126,7 +130,7 @@ async def _generate(
         # An affinity hint for routing: a conversation's header, else its user.
         session=request.headers.get("x-session-id") or body.user,
     )
-    return await respond(request, gen, body.stream)
+    return await respond(request, opening, body.stream)
 
 
 # What can go wrong with a generation request, before streaming begins.

@@ -4,17 +4,41 @@
 watches the connection: when the client disconnects, the generator is cancelled and
 ``on_close`` runs (shielded), which aborts generation and settles the request.
 :func:`run_until_disconnect` gives non-streamed responses the same guarantee.
+
+Keep-alive (``stream_keepalive_s``; docs/api.md#streaming): every streamed generation
+goes through :func:`stream_generation`, which opens it and answers with its events.
+
+* Opened within one interval (the usual case), or refused within one (bad input,
+  unknown model, queue full, no credit): exactly as without keep-alive, a refusal is
+  its HTTP status.
+* Still opening after one interval (waiting in the admission queue, a replica
+  loading): the head goes out with a ping, and the opening goes on behind it. What it
+  ends in after that (a queue timeout, no credit once admitted) can only be said in
+  band: the API's error event (OpenAI's ``data: {"error": ...}`` then
+  ``data: [DONE]``). A client that leaves meanwhile cancels the opening: its place in
+  the queue, or its slots, go back at once, and nothing is billed.
+* Whenever an open stream has sent nothing for one interval (a long prefill, text held
+  back), a ping goes out. Never after the last event.
+
+Each API says what its ping and its in-band error are (:class:`InBand`); OpenAI's
+ping is the SSE comment ``: ping``, which SSE readers skip. Off (0), nothing changes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import anyio
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from tokenmill.errors import TokenmillError
 
 T = TypeVar("T")
 
@@ -25,6 +49,8 @@ SSE_HEADERS = [
     (b"connection", b"keep-alive"),
 ]
 DONE = b"data: [DONE]\n\n"
+# An SSE comment: every reader skips it (the WHATWG event-stream format), proxies see bytes.
+PING = b": ping\n\n"
 
 
 def encode_event(payload: dict[str, Any]) -> bytes:
@@ -37,6 +63,31 @@ def encode_typed_event(payload: dict[str, Any]) -> bytes:
     return f"event: {payload['type']}\n".encode() + encode_event(payload)
 
 
+def openai_error(error: TokenmillError) -> bytes:
+    """OpenAI's in-band error: the error body as an event, then the end of the stream."""
+    return encode_event(error.to_openai_body()) + DONE
+
+
+@dataclass(frozen=True)
+class InBand:
+    """What an API's stream says by itself: its keep-alive ping, and the error that
+    ends a stream whose head already went out (the frames, the stream's end included)."""
+
+    ping: bytes = PING
+    error: Callable[[TokenmillError], bytes] = openai_error
+
+
+OPENAI = InBand()
+
+
+class EventSource(Protocol):
+    """An opened generation, as an API adapter shapes it."""
+
+    def events(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
 async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
     while True:
         message = await receive()
@@ -45,22 +96,51 @@ async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
             return
 
 
+async def _aclose(frames: AsyncIterator[bytes]) -> None:
+    aclose = getattr(frames, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 class EventStreamResponse(Response):
-    """An ASGI response streaming ``events`` (already-encoded SSE frames)."""
+    """An ASGI response streaming ``events`` (already-encoded SSE frames); with
+    ``keepalive_s``, ``ping`` whenever nothing was sent for that long."""
 
     def __init__(
         self,
         events: AsyncIterator[bytes],
         on_close: Callable[[], Awaitable[None]],
         headers: dict[str, str] | None = None,
+        *,
+        keepalive_s: float | None = None,
+        ping: bytes = PING,
     ) -> None:
         self.status_code = 200
         self.background = None
         self.events = events
         self.on_close = on_close
+        self.keepalive_s = keepalive_s
+        self.ping = ping
         self.raw_headers = list(SSE_HEADERS) + [
             (k.lower().encode(), v.encode()) for k, v in (headers or {}).items()
         ]
+        self._sent_at = 0.0
+        # asyncio's, not anyio's: taking it free does not yield to the loop (per frame).
+        self._sending = asyncio.Lock()
+
+    async def _write(self, send: Send, frame: bytes) -> None:
+        # One writer at a time: a ping never lands inside an event.
+        async with self._sending:
+            await send({"type": "http.response.body", "body": frame, "more_body": True})
+            self._sent_at = time.monotonic()
+
+    async def _keep_alive(self, send: Send, every_s: float) -> None:
+        while True:
+            quiet_s = time.monotonic() - self._sent_at
+            if quiet_s < every_s:
+                await anyio.sleep(every_s - quiet_s)
+            else:
+                await self._write(send, self.ping)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -69,16 +149,81 @@ class EventStreamResponse(Response):
                 await send(
                     {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
                 )
-                async for frame in self.events:
-                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                self._sent_at = time.monotonic()
+                async with anyio.create_task_group() as pings:
+                    if self.keepalive_s:
+                        pings.start_soon(self._keep_alive, send, self.keepalive_s)
+                    async for frame in self.events:
+                        await self._write(send, frame)
+                    pings.cancel_scope.cancel()  # the stream ended: nothing after it
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                aclose = getattr(self.events, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+                await _aclose(self.events)
                 await self.on_close()
+
+
+class _Opening:
+    """A generation still opening (queued) when its response head went out."""
+
+    def __init__(self, task: asyncio.Task[EventSource], in_band: InBand) -> None:
+        self._task = task
+        self._in_band = in_band
+
+    async def events(self) -> AsyncIterator[bytes]:
+        yield self._in_band.ping  # the head goes out now, with a sign of life
+        try:
+            # Cancelled (the client left), this cancels the opening too: the request
+            # leaves the queue and takes no slot.
+            source = await self._task
+        except TokenmillError as e:
+            yield self._in_band.error(e)
+            return
+        frames = source.events()
+        try:
+            async for frame in frames:
+                yield frame
+        finally:
+            await _aclose(frames)
+
+    async def aclose(self) -> None:
+        """Cancel the opening if it still runs; close the generation if it opened."""
+        self._task.cancel()
+        try:
+            source = await self._task
+        except (asyncio.CancelledError, Exception):
+            return  # never opened; a failure was the stream's to tell
+        await source.aclose()
+
+
+async def stream_generation(
+    request: Request,
+    opening: Coroutine[Any, Any, EventSource],
+    headers: dict[str, str],
+    in_band: InBand = OPENAI,
+) -> EventStreamResponse:
+    """The streamed response of the generation ``opening`` opens (see the module's
+    docstring); raises what ``opening`` raises before the response head."""
+    keepalive_s: float | None = request.app.state.settings.stream_keepalive_s
+    if not keepalive_s:  # off: open first, then the head, as it always was
+        source = await opening
+        return EventStreamResponse(source.events(), source.aclose, headers)
+    task = asyncio.ensure_future(opening)
+    opened = _Opening(task, in_band)
+    try:
+        await asyncio.wait([task], timeout=keepalive_s)
+    except BaseException:  # this handler cancelled: the opening must not outlive it
+        await asyncio.shield(opened.aclose())
+        raise
+    if task.done():
+        source = task.result()  # a refusal raises here: its HTTP status
+        return EventStreamResponse(
+            source.events(), source.aclose, headers, keepalive_s=keepalive_s, ping=in_band.ping
+        )
+    return EventStreamResponse(
+        opened.events(), opened.aclose, headers, keepalive_s=keepalive_s, ping=in_band.ping
+    )
 
 
 async def run_until_disconnect(

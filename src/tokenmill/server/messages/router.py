@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenmill.server.errors import anthropic_body
 from tokenmill.server.intake import parse_body, ready_gateway
 from tokenmill.server.messages import serving
 from tokenmill.server.messages.protocol import (
@@ -27,9 +28,15 @@ from tokenmill.server.messages.protocol import (
     TokenCount,
 )
 from tokenmill.server.openapi import ERROR_DESCRIPTIONS, USAGE_LINK, json_body, schema_of
-from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
+from tokenmill.server.sse import InBand, encode_typed_event, run_until_disconnect, stream_generation
 
 router = APIRouter()
+# Anthropic's stream has a ping event of its own, and its error event (as its error
+# body) ends a stream that waited behind pings.
+IN_BAND = InBand(
+    ping=encode_typed_event({"type": "ping"}),
+    error=lambda error: encode_typed_event(anthropic_body(error)),
+)
 
 
 def anthropic_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -79,12 +86,13 @@ _STREAM = {
 async def create_message(request: Request) -> Response:
     body = await parse_body(request, MessagesRequest, TAGS)
     gw = ready_gateway(request)
-    run = await serving.open_message(
+    opening = serving.open_message(
         gw, gw.deployment(body.model), body, request.state.request_id, request.state.caller
     )
-    headers = {"x-request-id": run.request_id}
-    if body.stream:
-        return EventStreamResponse(run.events(), run.aclose, headers)
+    headers = {"x-request-id": request.state.request_id}
+    if body.stream:  # opened behind keep-alive pings where it waits (server/sse.py)
+        return await stream_generation(request, opening, headers, IN_BAND)
+    run = await opening
     answer = await run_until_disconnect(request.receive, run.collect, run.aclose)
     if answer is None:  # the client left; nobody reads this
         return Response(status_code=499)

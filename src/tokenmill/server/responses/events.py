@@ -58,6 +58,19 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def opening_failed(error: TokenmillError) -> dict[str, Any]:
+    """The one event of a stream refused after its head went out (it waited behind
+    keep-alive pings): no response was created, so there is no ``response.failed``."""
+    code = error.code or error.type
+    return {
+        "type": "error",
+        "sequence_number": 0,
+        "code": code,
+        "message": error.message,
+        "param": error.param,
+    }
+
+
 class ResponseEncoder:
     """Neutral events in, Responses events out (see the module docstring).
 

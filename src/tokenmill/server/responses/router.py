@@ -18,6 +18,7 @@ from tokenmill.ledger.responses import ResponseStore
 from tokenmill.server.intake import parse_body, ready_gateway
 from tokenmill.server.openapi import USAGE_LINK, errors, json_body, json_response, schema_of
 from tokenmill.server.responses import serving
+from tokenmill.server.responses.events import opening_failed
 from tokenmill.server.responses.protocol import (
     TAGS,
     DeletedResponse,
@@ -27,9 +28,12 @@ from tokenmill.server.responses.protocol import (
     ResponsesRequest,
     StreamEvent,
 )
-from tokenmill.server.sse import EventStreamResponse, run_until_disconnect
+from tokenmill.server.sse import InBand, encode_typed_event, run_until_disconnect, stream_generation
 
 router = APIRouter()
+# The Responses stream's pings are SSE comments (it has no ping event); a stream that
+# waited behind them and is then refused ends with the API's error event.
+IN_BAND = InBand(error=lambda error: encode_typed_event(opening_failed(error)))
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -73,7 +77,7 @@ _STREAM = {
 async def create_response(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest, TAGS)
     gw = ready_gateway(request)
-    run = await serving.open_response(
+    opening = serving.open_response(
         gw,
         gw.deployment(body.model),
         body,
@@ -81,9 +85,10 @@ async def create_response(request: Request) -> Response:
         request.state.caller,
         store_of(request),
     )
-    headers = {"x-request-id": run.request_id}
-    if body.stream:
-        return EventStreamResponse(run.events(), run.aclose, headers)
+    headers = {"x-request-id": request.state.request_id}
+    if body.stream:  # opened behind keep-alive pings where it waits (server/sse.py)
+        return await stream_generation(request, opening, headers, IN_BAND)
+    run = await opening
     answer = await run_until_disconnect(request.receive, run.collect, run.aclose)
     if answer is None:  # the client left; nobody reads this
         return Response(status_code=499)
