@@ -397,8 +397,12 @@ class Gateway:
         replica: Replica | None = None
         hold: HoldRequest | None = None
         try:
-            preparer = await deployment.any_host()
-            info = await preparer.prepare(request)
+            deployment.preparing += 1
+            try:
+                preparer = await deployment.any_host()
+                info = await preparer.prepare(request)
+            finally:
+                deployment.preparing -= 1
             marks["prepared"] = time.monotonic()
             record.prompt_tokens = info.prompt_tokens
             deployment.admission.serve(caller.account_id, info.prompt_tokens)

@@ -59,6 +59,7 @@ class Replica:
         self.slots = slots
         self.in_flight = 0
         self.last_used = time.monotonic()
+        self.touched = self.last_used  # last used outside routing (tokenizing, preparing)
         self.speed = Speed()  # measured from its streams (RequestStream)
 
     @property
@@ -175,6 +176,10 @@ class Deployment:
         self.created = int(time.time())
         self._load_lock = asyncio.Lock()
         self._idle = _Idle()
+        # Requests admitted and being prepared before they are placed on a replica
+        # (Gateway.open): no replica has them in flight yet, but an idle replica must
+        # not unload under them.
+        self.preparing = 0
         self._template: tuple[str | None] | None = None  # the model's, once asked
 
     @property
@@ -206,6 +211,8 @@ class Deployment:
                     finally:
                         self.refresh_capacity()
                 ready = [r for r in self.replicas if r.state == "ready"]
+                for r in ready:
+                    r.touched = time.monotonic()  # loaded for a request: not idle yet
             if not ready:
                 states = ", ".join(r.state for r in self.replicas)
                 raise UnavailableError(
@@ -307,7 +314,11 @@ class Deployment:
         Loads the replicas of an idle-unloaded deployment as a generation would.
         """
         ready = await self.serving()
-        return min(ready, key=lambda r: (r.in_flight, r.index)).host
+        replica = min(ready, key=lambda r: (r.in_flight, r.index))
+        # Used now, though not routed to: the idle unloader waits from here (last_used,
+        # which routing breaks ties on, is left alone).
+        replica.touched = time.monotonic()
+        return replica.host
 
     async def chat_template(self) -> str | None:
         """The model's own chat template (asked of a replica once: it is fixed), or
@@ -357,7 +368,13 @@ class Deployment:
             await asyncio.sleep(min(limit / 2, 5.0))
             now = time.monotonic()
             for r in self.replicas:
-                if r.state == "ready" and r.in_flight == 0 and now - r.last_used > limit:
+                idle_s = now - max(r.last_used, r.touched)
+                if (
+                    r.state == "ready"
+                    and r.in_flight == 0
+                    and not self.preparing
+                    and idle_s > limit
+                ):
                     async with self._load_lock:
                         log.info("unloading idle replica %s/%d", self.id, r.index)
                         await r.host.close()
