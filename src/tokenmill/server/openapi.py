@@ -87,6 +87,25 @@ def json_response(schema: type[BaseModel] | dict[str, Any], description: str) ->
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def typed_event_stream(event: type[BaseModel]) -> dict[str, Any]:
+    """The ``itemSchema`` of a stream of named events (``event:`` and ``data:`` lines,
+    the data one of ``event``'s shapes): Anthropic's Messages and OpenAI's Responses."""
+    return {
+        "itemSchema": {
+            "type": "object",
+            "required": ["event", "data"],
+            "properties": {
+                "event": {"type": "string"},
+                "data": {
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "contentSchema": schema_of(event, "serialization"),
+                },
+            },
+        }
+    }
+
+
 def event_stream(*events: type[BaseModel]) -> dict[str, Any]:
     """The media type object of a stream of ``data:`` events, each one of ``events``
     or an in-band error, ending with ``data: [DONE]``."""

@@ -27,7 +27,13 @@ from tokenmill.server.messages.protocol import (
     MessageStreamEvent,
     TokenCount,
 )
-from tokenmill.server.openapi import ERROR_DESCRIPTIONS, USAGE_LINK, json_body, schema_of
+from tokenmill.server.openapi import (
+    ERROR_DESCRIPTIONS,
+    USAGE_LINK,
+    json_body,
+    schema_of,
+    typed_event_stream,
+)
 from tokenmill.server.sse import InBand, encode_typed_event, run_until_disconnect, stream_generation
 
 router = APIRouter()
@@ -51,20 +57,7 @@ def anthropic_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-_STREAM = {
-    "itemSchema": {
-        "type": "object",
-        "required": ["event", "data"],
-        "properties": {
-            "event": {"type": "string"},
-            "data": {
-                "type": "string",
-                "contentMediaType": "application/json",
-                "contentSchema": schema_of(MessageStreamEvent, "serialization"),
-            },
-        },
-    }
-}
+_STREAM = typed_event_stream(MessageStreamEvent)
 
 
 @router.post(

@@ -16,7 +16,14 @@ from starlette.responses import Response
 
 from tokenmill.ledger.responses import ResponseStore
 from tokenmill.server.intake import parse_body, ready_gateway
-from tokenmill.server.openapi import USAGE_LINK, errors, json_body, json_response, schema_of
+from tokenmill.server.openapi import (
+    USAGE_LINK,
+    errors,
+    json_body,
+    json_response,
+    schema_of,
+    typed_event_stream,
+)
 from tokenmill.server.responses import serving
 from tokenmill.server.responses.events import opening_failed
 from tokenmill.server.responses.protocol import (
@@ -41,20 +48,7 @@ def store_of(request: Request) -> ResponseStore:
     return store
 
 
-_STREAM = {
-    "itemSchema": {
-        "type": "object",
-        "required": ["event", "data"],
-        "properties": {
-            "event": {"type": "string"},
-            "data": {
-                "type": "string",
-                "contentMediaType": "application/json",
-                "contentSchema": schema_of(StreamEvent, "serialization"),
-            },
-        },
-    }
-}
+_STREAM = typed_event_stream(StreamEvent)
 
 
 @router.post(
