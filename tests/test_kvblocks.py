@@ -115,6 +115,28 @@ def test_index_counts_replicas_and_forgets_the_dead() -> None:
     assert index.cached_blocks(chain(chat)) == {0: 0, 1: 3}
 
 
+def test_a_prompt_continues_a_slot_only_when_it_holds_the_whole_chain() -> None:
+    system = list(range(3 * B))
+    turn1 = system + list(range(100, 100 + 2 * B))  # a conversation's first exchange
+    index = PrefixIndex()
+    index.reset(0, [chain(turn1)])
+    index.reset(1, [chain(system)])
+    # The next turn: replica 0 holds its whole history, 1 the system prompt alone, which
+    # is all it holds in that slot: both are "continued", 0 the longer.
+    turn2 = chain([*turn1, *range(500, 500 + B + 3)])
+    held = index.cached_blocks(turn2)
+    assert held == {0: 5, 1: 3}
+    assert index.continued(turn2, held) == {0, 1}
+    # Another conversation: 0 holds the system prompt only as the start of a longer
+    # sequence (another conversation's), 1 holds it whole.
+    other = chain([*system, *range(900, 900 + 2 * B)])
+    held = index.cached_blocks(other)
+    assert held == {0: 3, 1: 3}
+    assert index.continued(other, held) == {1}
+    # Nothing held continues nothing.
+    assert index.continued(chain(list(range(700, 700 + 2 * B))), {0: 0, 1: 0}) == set()
+
+
 def test_a_slot_evicted_below_a_shared_block_keeps_the_other_slot() -> None:
     system = list(range(2 * B))
     index = PrefixIndex()

@@ -106,6 +106,9 @@ def check_later_turns_found_their_history(
         assert cached >= before["usage"]["prompt_tokens"], (cached, usage, line["route"])
         route = line["route"]
         assert route["reason"] == "cache"
+        # The index saw the turn continue what one slot holds whole (its parked answer
+        # and the next turn's warm-up), not only share its start.
+        assert route["continues"] is True, route
         assert route["cached_tokens"] >= before["usage"]["prompt_tokens"] // 16 * 16
         assert route["cached_tokens"] == 16 * route["cached_blocks"] <= cached
 
@@ -116,6 +119,9 @@ def test_one_conversation_at_a_time_stays_with_its_cache(gw: ServerProcess) -> N
         check_later_turns_found_their_history(turns)
         replicas = {line["route"]["replica"] for _, line in turns}
         assert len(replicas) == 1, [line["route"] for _, line in turns]
+    # A new conversation found the system prompt only as the start of another one's.
+    _, first = turns[0]
+    assert first["route"]["continues"] is False, first["route"]
 
 
 def test_a_few_conversations_at_once_each_find_their_history(gw: ServerProcess) -> None:

@@ -7,7 +7,13 @@ import random
 import pytest
 
 from tokenmill.gateway.routing import ReplicaView, RouteQuery, policy
-from tokenmill.gateway.routing.cache_aware import DECODE_S, IMBALANCE, PREFILL_S, CacheAware
+from tokenmill.gateway.routing.cache_aware import (
+    DECODE_S,
+    HORIZON,
+    IMBALANCE,
+    PREFILL_S,
+    CacheAware,
+)
 from tokenmill.gateway.routing.least_loaded import LeastLoaded
 from tokenmill.gateway.routing.round_robin import RoundRobin
 from tokenmill.gateway.routing.speed import MIN_PREFILL_TOKENS, Speed
@@ -35,10 +41,40 @@ def test_the_replica_holding_the_conversation_wins_at_equal_load() -> None:
     assert d.score_s == pytest.approx((300 - 288) * PREFILL_S)
 
 
-def test_some_load_is_worth_a_long_cached_prefix() -> None:
-    # One stream more costs about a decode step; 272 uncached tokens cost far more.
-    replicas = [view(0, in_flight=1, cached_tokens=288), view(1)]
+def test_a_conversations_next_turn_stays_with_its_history_under_load() -> None:
+    # Replica 0 holds the whole conversation so far, 1 the shared system prompt; three
+    # streams on 0 cost the new prompt three tokens of a step, 32 uncached tokens more.
+    replicas = [view(0, in_flight=3, cached_tokens=288, continues=True), view(1, cached_tokens=256)]
+    d = CacheAware().choose(replicas, PROMPT)
+    assert (d.index, d.reason, d.cached_tokens) == (0, "cache", 288)
+    assert d.score_s == pytest.approx((12 + 3) * PREFILL_S + DECODE_S / 2)
+
+
+def test_a_new_conversation_goes_where_load_is_light_past_a_shared_prefix() -> None:
+    # 0 holds the system prompt as the start of other conversations, with two of them
+    # running; 1 is idle and holds nothing: it pays once for the system prompt.
+    replicas = [view(0, in_flight=2, cached_tokens=256), view(1)]
+    d = CacheAware().choose(replicas, PROMPT)
+    assert (d.index, d.reason) == (1, "load")
+    # Equally loaded, the shared prefix decides.
+    replicas = [view(0, in_flight=2, cached_tokens=256), view(1, in_flight=2)]
     assert CacheAware().choose(replicas, PROMPT).index == 0
+
+
+def test_a_long_shared_prefix_outweighs_some_load() -> None:
+    # An agent's 10k-token context, shared by a new branch: worth a stream's decoding.
+    long = RouteQuery(prompt_tokens=10_000, max_tokens=64)
+    replicas = [view(0, in_flight=1, cached_tokens=9_984), view(1)]
+    assert CacheAware().choose(replicas, long).index == 0
+
+
+def test_the_load_term_counts_the_answer_to_come() -> None:
+    # The horizon is max_tokens, or less when the deployment's streams generate less.
+    replicas = [view(0, in_flight=1, cached_tokens=256), view(1)]
+    assert CacheAware().choose(replicas, RouteQuery(300, max_tokens=200)).index == 1
+    assert CacheAware().choose(replicas, RouteQuery(300, max_tokens=4)).index == 0
+    measured = [view(0, in_flight=1, cached_tokens=256, generated=4.0), view(1, generated=4.0)]
+    assert CacheAware().choose(measured, RouteQuery(300, max_tokens=200)).index == 0
 
 
 def test_load_outweighs_a_short_cached_prefix() -> None:
@@ -48,7 +84,8 @@ def test_load_outweighs_a_short_cached_prefix() -> None:
 
 
 def test_the_trade_off_is_the_formula() -> None:
-    """Expected TTFT = uncached x prefill_s + in flight x decode_s, per replica."""
+    """ttft = (uncached + in flight) x prefill_s + a half step when busy; a request
+    starting a new sequence adds in flight x decode_s x horizon / 2."""
     rng = random.Random(7)
     for _ in range(500):
         replicas = [
@@ -56,20 +93,32 @@ def test_the_trade_off_is_the_formula() -> None:
                 i,
                 in_flight=rng.randrange(0, 8),
                 cached_tokens=16 * rng.randrange(0, 19),
+                continues=rng.random() < 0.3,
                 prefill_s=rng.choice([None, 5e-4, 1e-3, 4e-3]),
                 decode_s=rng.choice([None, 1e-2, 3e-2]),
+                generated=rng.choice([None, 16.0, 100.0]),
                 last_used=rng.random(),
             )
             for i in range(3)
         ]
-        d = CacheAware().choose(replicas, PROMPT)
+        query = RouteQuery(300, max_tokens=rng.choice([0, 8, 500]))
+        d = CacheAware().choose(replicas, query)
         prefills = [r.prefill_s for r in replicas if r.prefill_s is not None]
         decodes = [r.decode_s for r in replicas if r.decode_s is not None]
+        made = [r.generated for r in replicas if r.generated is not None]
         p0 = sum(prefills) / len(prefills) if prefills else PREFILL_S
         d0 = sum(decodes) / len(decodes) if decodes else DECODE_S
+        horizon = sum(made) / len(made) if made else HORIZON
+        if query.max_tokens:
+            horizon = min(horizon, query.max_tokens)
+        new = not any(r.continues for r in replicas)
 
-        def cost(r: ReplicaView, p0: float = p0, d0: float = d0) -> float:
-            return (300 - r.cached_tokens) * (r.prefill_s or p0) + r.in_flight * (r.decode_s or d0)
+        def cost(
+            r: ReplicaView, p0: float = p0, d0: float = d0, h: float = horizon, new: bool = new
+        ) -> float:
+            p, dd = r.prefill_s or p0, r.decode_s or d0
+            ttft = (300 - r.cached_tokens + r.in_flight) * p + (dd / 2 if r.in_flight else 0)
+            return ttft + (r.in_flight * dd * h / 2 if new else 0)
 
         if d.reason != "imbalance":
             assert cost(replicas[d.index]) == pytest.approx(min(map(cost, replicas)))
@@ -100,9 +149,10 @@ def test_a_slower_replica_gets_less() -> None:
     # ... unless its cache saves more than its slowness costs.
     cached_slow = view(1, prefill_s=3e-3, decode_s=3e-2, cached_tokens=288)
     assert CacheAware().choose([fast, cached_slow], PROMPT).index == 1
-    # A busy fast replica against an idle slow one: 300 x 2e-3 more against 2 x 1e-2.
+    # A busy fast replica against an idle slow one, for a short answer: 302 x 1e-3 +
+    # 5e-3 + 2 x 1e-2 x 8 / 2 against 300 x 3e-3.
     busy_fast = view(0, prefill_s=1e-3, decode_s=1e-2, in_flight=2)
-    assert CacheAware().choose([busy_fast, slow], PROMPT).index == 0
+    assert CacheAware().choose([busy_fast, slow], RouteQuery(300, max_tokens=8)).index == 0
 
 
 def test_an_unmeasured_replica_counts_as_the_average() -> None:
@@ -162,10 +212,12 @@ def test_round_robin_takes_turns_among_those_with_room() -> None:
 
 def test_speed_is_a_moving_average_of_what_streams_showed() -> None:
     speed = Speed()
-    speed.observe(ttft_s=0.3, uncached_tokens=300, decode_s=0.9, generated=10)
-    assert (speed.prefill_s, speed.decode_s) == pytest.approx((1e-3, 0.1))
-    speed.observe(ttft_s=0.6, uncached_tokens=300, decode_s=None, generated=0)
+    speed.observe(prefill_s=0.3, uncached_tokens=300, decode_s=0.9, generated=10)
+    assert (speed.prefill_s, speed.decode_s, speed.generated) == pytest.approx((1e-3, 0.1, 10))
+    speed.observe(prefill_s=0.6, uncached_tokens=300, decode_s=None, generated=0)
     assert speed.prefill_s == pytest.approx(1e-3 + 0.2 * 1e-3)
+    assert speed.generated == pytest.approx(10)
     # A mostly cached prompt says nothing of prefill speed; one token, nothing of decode.
-    speed.observe(ttft_s=0.05, uncached_tokens=MIN_PREFILL_TOKENS - 1, decode_s=0.0, generated=1)
+    speed.observe(prefill_s=0.05, uncached_tokens=MIN_PREFILL_TOKENS - 1, decode_s=0.0, generated=1)
     assert (speed.prefill_s, speed.decode_s) == pytest.approx((1.2e-3, 0.1))
+    assert speed.generated == pytest.approx(10 + 0.2 * (1 - 10))

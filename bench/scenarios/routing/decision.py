@@ -13,11 +13,12 @@ from .workload import REPLICAS, percentile
 
 def decision_cost(iterations: int, slots: int) -> dict[str, Any]:
     """What routing a 300-token prompt costs in the gateway, in microseconds: the chain,
-    the index lookup over 2 replicas' slots, the views and ``CacheAware.choose``."""
+    the index lookups over 2 replicas' slots (blocks held, sequences continued), the
+    views and ``CacheAware.choose``."""
     from tokenmill.gateway.prefix import PrefixIndex
     from tokenmill.gateway.routing import ReplicaView, RouteQuery
     from tokenmill.gateway.routing.cache_aware import CacheAware
-    from tokenmill.kvblocks import chain
+    from tokenmill.kvblocks import BLOCK_TOKENS, chain
 
     rng = random.Random(26)
     system = [rng.randrange(49_000) for _ in range(250)]
@@ -30,21 +31,27 @@ def decision_cost(iterations: int, slots: int) -> dict[str, Any]:
     samples: list[float] = []
     for k in range(iterations):
         began = time.perf_counter()
-        cached = index.cached_tokens(chain(prompt))
+        names = chain(prompt)
+        blocks = index.cached_blocks(names)
+        continued = index.continued(names, blocks)
         views = [
             ReplicaView(
                 index=r,
                 serving=True,
                 slots=slots,
                 in_flight=(k + r) % 4,
-                cached_tokens=cached.get(r, 0),
+                cached_tokens=blocks.get(r, 0) * BLOCK_TOKENS,
+                continues=r in continued,
                 prefill_s=1e-3,
                 decode_s=2e-2,
+                generated=32.0,
                 last_used=float(k),
             )
             for r in range(REPLICAS)
         ]
-        policy.choose(views, RouteQuery(prompt_tokens=len(prompt), session=f"s{k % 64}"))
+        policy.choose(
+            views, RouteQuery(prompt_tokens=len(prompt), max_tokens=32, session=f"s{k % 64}")
+        )
         samples.append(time.perf_counter() - began)
     micro = [s * 1e6 for s in samples]
     return {

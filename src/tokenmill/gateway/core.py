@@ -255,8 +255,12 @@ class RequestStream:
         if rec.finish_reason not in ("stop", "length") or self.request.choices != 1:
             return
         last = self._last_at or self._first_at
+        picked, decoded = rec.marks.get("picked"), rec.marks.get("decoded")
+        prefill_s = self._first_at - dispatched
+        if picked is not None and decoded is not None:  # the replica's own (see .speed)
+            prefill_s = decoded - picked
         self._replica.speed.observe(
-            ttft_s=self._first_at - dispatched,
+            prefill_s=prefill_s,
             uncached_tokens=self.usage.prompt_tokens - self.usage.cached_tokens,
             decode_s=last - self._first_at,
             generated=self.usage.completion_tokens,
@@ -407,7 +411,9 @@ class Gateway:
             record.prompt_tokens = info.prompt_tokens
             deployment.admission.serve(caller.account_id, info.prompt_tokens)
             prompt = info.tokens[0] if info.tokens else ()
-            query = RouteQuery(info.prompt_tokens, weight, session)
+            query = RouteQuery(
+                info.prompt_tokens, weight, request.sampling.max_tokens, session=session
+            )
             replica, record.route = await deployment.place(request.request_id, query, prompt)
             if replica.host is not preparer and info.tokens is not None:
                 request = dataclasses.replace(request, tokenized=info.tokens)

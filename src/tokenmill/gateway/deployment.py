@@ -36,7 +36,7 @@ from tokenmill.gateway.process import ProcessLauncher
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
 from tokenmill.gateway.routing.speed import Speed
 from tokenmill.gateway.supervised import Launcher, SupervisedHost
-from tokenmill.kvblocks import BlockSnapshot, CacheEvent, chain
+from tokenmill.kvblocks import BLOCK_TOKENS, BlockSnapshot, CacheEvent, chain
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -238,8 +238,12 @@ class Deployment:
         ready = await self.serving()
         ready = [r for r in ready if r not in avoid] or ready
         cached: dict[int, int] = {}
+        continued: set[int] = set()
         if prompt:
-            cached = self.prefixes.cached_tokens(chain(prompt))
+            names = chain(prompt)
+            blocks = self.prefixes.cached_blocks(names)
+            cached = {i: n * BLOCK_TOKENS for i, n in blocks.items()}
+            continued = self.prefixes.continued(names, blocks)
         views = [
             ReplicaView(
                 index=r.index,
@@ -247,8 +251,10 @@ class Deployment:
                 slots=r.slots,
                 in_flight=r.in_flight,
                 cached_tokens=cached.get(r.index, 0),
+                continues=r.index in continued,
                 prefill_s=r.speed.prefill_s,
                 decode_s=r.speed.decode_s,
+                generated=r.speed.generated,
                 last_used=r.last_used,
             )
             for r in self.replicas

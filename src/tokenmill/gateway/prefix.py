@@ -84,6 +84,20 @@ class PrefixIndex:
             out[replica] = lo
         return out
 
+    def continued(self, names: Sequence[int], held: Mapping[int, int]) -> set[int]:
+        """The replicas, of ``held`` (:meth:`cached_blocks` of ``names``), where the
+        blocks held end where one slot's chain ends: the prompt continues what that
+        slot holds whole (a conversation's next turn, an agent's next call), rather
+        than sharing only its first part (a system prompt other conversations share
+        too). Chains are chained hashes: equal last names mean equal chains."""
+        out = set()
+        for replica, n in held.items():
+            if n and any(
+                len(c) == n and c[-1] == names[n - 1] for c in self._chains.get(replica, ())
+            ):
+                out.add(replica)
+        return out
+
     def cached_tokens(self, names: Sequence[int]) -> dict[int, int]:
         """:meth:`cached_blocks` in tokens."""
         return {r: n * BLOCK_TOKENS for r, n in self.cached_blocks(names).items()}

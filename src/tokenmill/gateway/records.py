@@ -96,4 +96,5 @@ def _route_fields(route: Decision | None) -> dict[str, Any] | None:
         "cached_blocks": route.cached_tokens // BLOCK_TOKENS,
         "cached_tokens": route.cached_tokens,
         "score_ms": None if route.score_s is None else round(route.score_s * 1000, 3),
+        "continues": route.continues,
     }

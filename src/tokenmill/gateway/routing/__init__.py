@@ -43,10 +43,15 @@ class ReplicaView:
     # Leading tokens of this request's prompt the replica holds in its KV cache (whole
     # blocks only, see tokenmill.kvblocks); 0 for a replica that publishes no cache.
     cached_tokens: int = 0
-    # Measured seconds per prompt token computed, and per generated token of one
-    # stream (moving averages, see .speed); None until measured.
+    # Whether those blocks are the whole of what one of its slots holds: the prompt
+    # continues that slot's sequence (a conversation's next turn), rather than sharing
+    # only its first part with it (a system prompt other conversations share too).
+    continues: bool = False
+    # Measured seconds per prompt token computed, per generated token of one stream,
+    # and tokens a stream generates (moving averages, see .speed); None until measured.
     prefill_s: float | None = None
     decode_s: float | None = None
+    generated: float | None = None
     last_used: float = 0.0  # monotonic time it last took or ended a request
 
     @property
@@ -60,6 +65,7 @@ class RouteQuery:
 
     prompt_tokens: int = 0  # the prompt as tokenized (0: unknown)
     weight: int = 1  # slots it takes: its choices
+    max_tokens: int = 0  # the most tokens a choice may generate (0: not given)
     # The ``user`` field or ``x-session-id`` header: an affinity hint.
     session: str | None = None
 
@@ -69,8 +75,11 @@ class Decision:
     index: int  # the chosen replica's
     reason: Reason
     cached_tokens: int = 0  # of the prompt, on the chosen replica
-    # The chosen replica's expected time to first token, in seconds (cache_aware only).
+    # The chosen replica's score, in seconds (cache_aware only).
     score_s: float | None = None
+    # Whether the prompt continues a sequence the chosen replica holds whole (see
+    # ReplicaView.continues); None for a policy that does not look.
+    continues: bool | None = None
 
 
 class RoutingPolicy(Protocol):

@@ -1,32 +1,52 @@
-"""``cache_aware``: the replica with the lowest expected time to first token.
+"""``cache_aware``: where the prompt is cached, and new conversations where load is light.
 
-For each serving replica with room for the request (every serving one if none has
-room), the expected time to first token is one formula (as NVIDIA Dynamo's KV router
-writes its cost)::
+Every serving replica with room for the request (every serving one if none has room)
+gets an expected time to first token, from its measured speeds (:mod:`.speed`)::
 
-    expected_s = (prompt_tokens - cached_tokens) * prefill_s + in_flight * decode_s
+    ttft_s = (uncached + in_flight) * prefill_s  +  (decode_s / 2 if in_flight else 0)
 
-the prompt tokens it would still have to compute at its measured prefill speed, plus
-the work already on it: each stream running there shares every decode batch with the
-new prompt, and costs it about one step of that stream (its measured seconds per
-generated token). A replica not yet measured is assumed as fast as the measured
-ones' average (:data:`PREFILL_S`, :data:`DECODE_S` before any is). Ties go to the
+the prompt tokens it would still have to compute; a batching engine computes them in
+one step with one token of every stream running there, once the step under way (half
+a step on average) has ended. What happens next depends on what the request is to
+the replicas' caches (the index knows it exactly, see
+:meth:`tokenmill.gateway.prefix.PrefixIndex.continued`):
+
+* **It continues a sequence a replica holds whole** (``continues``: a conversation's
+  next turn, an agent's next call with its growing context): the lowest ``ttft_s``
+  wins. Its history is where it was last computed; moving it means computing the
+  whole history again, so it stays unless load is badly imbalanced (below).
+* **It starts a new sequence** (nothing cached, or only a part of what slots hold:
+  the system prompt every conversation shares, a document other requests also
+  asked about): where it goes is where its conversation will live, so the score also
+  counts the work already running there, which the new stream shares every decode
+  step with until it ends::
+
+      score_s = ttft_s + in_flight * decode_s * horizon / 2
+
+  each stream running there has about half its answer to go (``horizon`` tokens, the
+  request's ``max_tokens`` or, if less or not given, what streams of this deployment
+  generate on average). So new conversations spread over the replicas, the second
+  replica pays once to compute a shared system prompt rather than leaving the first
+  to carry every conversation, and a long shared prefix (an agent's 10k-token
+  context) still outweighs a stream or two of load.
+
+A replica not yet measured is assumed as fast as the measured ones' average
+(:data:`PREFILL_S`, :data:`DECODE_S`, :data:`HORIZON` before any is). Ties go to the
 fewest in flight, then the least recently used.
 
 Two exceptions, in this order:
 
-* **Load wins when badly imbalanced** (SGLang's rule, in slots): when the replica
-  chosen by the formula has more than :data:`IMBALANCE` of its slots busier than the
-  least loaded candidate, the least loaded one is taken (``reason = "imbalance"``):
-  the formula's queueing term is crude, and a hot prefix must not pile every request
-  on one replica.
+* **Load wins when badly imbalanced** (SGLang's rule, in slots): when the chosen
+  replica has more than :data:`IMBALANCE` of its slots busier than the least loaded
+  candidate, the least loaded one is taken (``reason = "imbalance"``): a hot
+  conversation or prefix must not pile every request on one replica.
 * **Session affinity when no cache is known**: when no candidate holds any block of
   the prompt (a short prompt, replicas that publish no cache) and the request names a
   session (``user`` or ``x-session-id``), the replica that served the session last is
   taken if it is a candidate and not badly imbalanced (``reason = "affinity"``).
 
 Otherwise the reason is ``cache`` when the chosen replica holds some of the prompt,
-``load`` when none does.
+``load`` when none does. The decision's ``score_s`` is the chosen replica's score.
 """
 
 from __future__ import annotations
@@ -48,7 +68,10 @@ from tokenmill.gateway.routing import (
 # Only their ratio matters while every replica uses them.
 PREFILL_S = 1e-3
 DECODE_S = 2e-2
-# Badly imbalanced: the formula's choice has this fraction of its slots more in
+# Tokens a stream is assumed to generate when neither the request (max_tokens) nor
+# the deployment's measured streams say.
+HORIZON = 64
+# Badly imbalanced: the chosen replica has this fraction of its slots more in
 # flight than the least loaded candidate (4 of 16 slots at 0.25 would be too eager:
 # a multi-turn chat's replica often runs several of its conversations at once).
 IMBALANCE = 0.5
@@ -67,12 +90,18 @@ class CacheAware:
         pool = candidates(replicas, query.weight)
         prefill = _average([r.prefill_s for r in replicas], PREFILL_S)
         decode = _average([r.decode_s for r in replicas], DECODE_S)
+        horizon = _average([r.generated for r in replicas], HORIZON)
+        if query.max_tokens > 0:
+            horizon = min(horizon, query.max_tokens)
+        new_sequence = not any(r.continues for r in pool)
 
-        def expected_s(r: ReplicaView) -> float:
+        def score_s(r: ReplicaView) -> float:
+            p, d = r.prefill_s or prefill, r.decode_s or decode
             uncached = max(query.prompt_tokens - r.cached_tokens, 0)
-            return uncached * (r.prefill_s or prefill) + r.in_flight * (r.decode_s or decode)
+            ttft = (uncached + r.in_flight) * p + (d / 2 if r.in_flight else 0.0)
+            return ttft + (r.in_flight * d * horizon / 2 if new_sequence else 0.0)
 
-        scores = {r.index: expected_s(r) for r in pool}
+        scores = {r.index: score_s(r) for r in pool}
         best = min(pool, key=lambda r: (scores[r.index], r.in_flight, r.last_used))
         least = min(pool, key=lambda r: (r.in_flight, r.last_used))
         reason: Reason = "cache" if best.cached_tokens else "load"
@@ -88,13 +117,13 @@ class CacheAware:
             self._sessions.move_to_end(query.session)
             if len(self._sessions) > SESSIONS_KEPT:
                 self._sessions.popitem(last=False)
-        return Decision(best.index, reason, best.cached_tokens, scores[best.index])
+        return Decision(best.index, reason, best.cached_tokens, scores[best.index], best.continues)
 
 
 def _imbalanced(chosen: ReplicaView, least: ReplicaView) -> bool:
     return chosen.in_flight - least.in_flight > IMBALANCE * max(chosen.slots, 1)
 
 
-def _average(values: list[float | None], default: float) -> float:
+def _average(values: Sequence[float | None], default: float) -> float:
     known = [v for v in values if v is not None]
     return sum(known) / len(known) if known else default
