@@ -163,6 +163,23 @@ def test_least_outstanding_routing_spreads_over_replicas(client: httpx.Client) -
         assert all("error" not in e for e in tail if isinstance(e, dict)), tail
 
 
+def test_prompts_without_max_tokens_each_get_the_rest_of_the_window(
+    client: httpx.Client,
+) -> None:
+    """Several prompts and no max_tokens: each choice may fill the context window after
+    its own prompt (not after all prompts together), through a replica process too."""
+    prompt = "The tide came in over the sand and the gulls rose. " * 12
+    r = client.post(
+        "/v1/completions",
+        json={"model": "chatty", "prompt": [prompt, prompt], "ignore_eos": True},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    each = body["usage"]["prompt_tokens"] // 2
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert body["usage"]["completion_tokens"] == 2 * (512 - each)
+
+
 # -- predict endpoints -----------------------------------------------------------
 
 

@@ -199,6 +199,7 @@ class Runner:
                 "id": req.request_id,
                 "prompt_tokens": info.prompt_tokens,
                 "context_length": info.context_length,
+                "longest_prompt": info.longest_prompt,
                 # The prompts' token ids (for routing, and for another replica).
                 "k": None if info.tokens is None else [list(p) for p in info.tokens],
                 # When the work began and ended (tokenmill.stages).

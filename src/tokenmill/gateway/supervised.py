@@ -455,6 +455,7 @@ class SupervisedHost:
         return PromptInfo(
             answer["prompt_tokens"],
             answer["context_length"],
+            longest_prompt=answer.get("longest_prompt"),
             tokens=None if tokens is None else tuple(tuple(p) for p in tokens),
         )
 
