@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from functools import partial
 from typing import Any
 
 import httpx
@@ -196,12 +197,14 @@ def test_a_pool_replica_that_dies_is_created_again_once_and_serves_both_gateways
 def test_a_conversation_alternating_between_two_gateways_finds_its_cache(
     pool: str, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
 ) -> None:
-    # The real model, one replica in the pool: each turn, through the other gateway,
-    # finds the whole earlier conversation in the one engine's KV cache.
+    # The real model, two replicas in the pool: each turn, through the other gateway,
+    # goes to the replica holding the conversation (both gateways index both
+    # replicas' caches) and finds the whole earlier conversation there; on the other
+    # replica it would find nothing of it.
     config = (
         f"ray_address = {ray_cluster.address!r}\n"
         f'[[deployments]]\nid = "smollm2"\nplacement = "ray"\npool = "{pool}"\n'
-        "max_num_seqs = 2\nn_ctx = 512\nn_threads = 1\nray_num_cpus = 0.25\n"
+        "replicas = 2\nmax_num_seqs = 2\nn_ctx = 512\nn_threads = 1\nray_num_cpus = 0.25\n"
     )
     gateways = [start_server(config=config), start_server(config=config)]
     messages: list[dict[str, str]] = [
@@ -209,12 +212,15 @@ def test_a_conversation_alternating_between_two_gateways_finds_its_cache(
         {"role": "user", "content": "Name three rivers of Europe."},
     ]
     usages: list[dict[str, Any]] = []
-    for turn, srv in enumerate([*gateways, gateways[0]]):
+    routes: list[dict[str, Any]] = []
+    for turn, srv in enumerate([*gateways, gateways[0], gateways[1]]):
         request = {"model": "smollm2", "messages": messages, "max_tokens": 8, "temperature": 0}
         with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
             r = c.post("/v1/chat/completions", json=request)
         assert r.status_code == 200, r.text
         usages.append(r.json()["usage"])
+        rid = r.headers["x-request-id"]
+        routes.append(wait_until(partial(srv.request_line, rid), "the log line")["route"])
         answer = r.json()["choices"][0]["message"]["content"]
         messages += [
             {"role": "assistant", "content": answer},
@@ -226,3 +232,6 @@ def test_a_conversation_alternating_between_two_gateways_finds_its_cache(
         cached = after["prompt_tokens_details"]["cached_tokens"]
         assert cached >= before["prompt_tokens"] + before["completion_tokens"] - 1, usages
         assert after["prompt_tokens"] > cached
+    # Every later turn continued the sequence one replica held, always the same one.
+    assert all(r["reason"] == "cache" and r["continues"] for r in routes[1:]), routes
+    assert len({r["replica"] for r in routes}) == 1, routes
