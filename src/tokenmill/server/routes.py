@@ -7,7 +7,6 @@ body or as server-sent events. All logic lives below this layer.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -38,7 +37,7 @@ from tokenmill.server.openai.protocol import (
     Tokenized,
     TokenizerInfoBody,
 )
-from tokenmill.server.openai.serving import OpenAIGeneration, Route, open_generation
+from tokenmill.server.openai.serving import Route, open_generation
 from tokenmill.server.openapi import (
     USAGE_LINK,
     any_of,
@@ -49,7 +48,7 @@ from tokenmill.server.openapi import (
     schema_of,
 )
 from tokenmill.server.protocol import DeploymentInfo, DeploymentList, ModelCard, ModelList
-from tokenmill.server.sse import EventStreamResponse, run_until_disconnect, stream_generation
+from tokenmill.server.sse import EventStreamResponse, respond
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
@@ -87,19 +86,6 @@ async def parse(request: Request, model: type[M]) -> M:
         raise from_validation_error(e.errors()) from None
     stages.mark("parsed")
     return parsed
-
-
-async def respond(
-    request: Request, opening: Coroutine[Any, Any, OpenAIGeneration], stream: bool
-) -> Response:
-    headers = {"x-request-id": request.state.request_id}
-    if stream:  # opened behind keep-alive pings where it waits (server/sse.py)
-        return await stream_generation(request, opening, headers)
-    gen = await opening
-    body = await run_until_disconnect(request.receive, gen.collect, gen.aclose)
-    if body is None:  # the client left; nobody reads this
-        return Response(status_code=499)
-    return JSONResponse(body, headers=headers)
 
 
 async def _generate(

@@ -3,7 +3,8 @@
 :class:`EventStreamResponse` sends each event the moment the generator yields it and
 watches the connection: when the client disconnects, the generator is cancelled and
 ``on_close`` runs (shielded), which aborts generation and settles the request.
-:func:`run_until_disconnect` gives non-streamed responses the same guarantee.
+:func:`run_until_disconnect` gives non-streamed responses the same guarantee, and
+:func:`respond` is every generation route's answer, streamed or whole.
 
 Keep-alive (``stream_keepalive_s``; docs/api.md#streaming): every streamed generation
 goes through :func:`stream_generation`, which opens it and answers with its events.
@@ -35,7 +36,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.errors import TokenmillError
@@ -86,6 +87,31 @@ class EventSource(Protocol):
     def events(self) -> AsyncIterator[bytes]: ...
 
     async def aclose(self) -> None: ...
+
+
+class Answer(EventSource, Protocol):
+    """An opened generation that can also be answered whole, as one JSON body."""
+
+    async def collect(self) -> dict[str, Any]: ...
+
+
+async def respond(
+    request: Request,
+    opening: Coroutine[Any, Any, Answer],
+    stream: bool,
+    in_band: InBand = OPENAI,
+) -> Response:
+    """A generation route's response: with ``stream`` its events (opened behind
+    keep-alive pings where it waits, :func:`stream_generation`), else its whole
+    answer, collected unless the client leaves first (then 499, which nobody reads)."""
+    headers = {"x-request-id": request.state.request_id}
+    if stream:
+        return await stream_generation(request, opening, headers, in_band)
+    answer = await opening
+    body = await run_until_disconnect(request.receive, answer.collect, answer.aclose)
+    if body is None:
+        return Response(status_code=499)
+    return JSONResponse(body, headers=headers)
 
 
 async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from tokenmill.server.errors import anthropic_body
@@ -34,7 +33,7 @@ from tokenmill.server.openapi import (
     schema_of,
     typed_event_stream,
 )
-from tokenmill.server.sse import InBand, encode_typed_event, run_until_disconnect, stream_generation
+from tokenmill.server.sse import InBand, encode_typed_event, respond
 
 router = APIRouter()
 # Anthropic's stream has a ping event of its own, and its error event (as its error
@@ -82,14 +81,7 @@ async def create_message(request: Request) -> Response:
     opening = serving.open_message(
         gw, gw.deployment(body.model), body, request.state.request_id, request.state.caller
     )
-    headers = {"x-request-id": request.state.request_id}
-    if body.stream:  # opened behind keep-alive pings where it waits (server/sse.py)
-        return await stream_generation(request, opening, headers, IN_BAND)
-    run = await opening
-    answer = await run_until_disconnect(request.receive, run.collect, run.aclose)
-    if answer is None:  # the client left; nobody reads this
-        return Response(status_code=499)
-    return JSONResponse(answer, headers=headers)
+    return await respond(request, opening, body.stream, IN_BAND)
 
 
 @router.post(

@@ -35,7 +35,7 @@ from tokenmill.server.responses.protocol import (
     ResponsesRequest,
     StreamEvent,
 )
-from tokenmill.server.sse import InBand, encode_typed_event, run_until_disconnect, stream_generation
+from tokenmill.server.sse import InBand, encode_typed_event, respond
 
 router = APIRouter()
 # The Responses stream's pings are SSE comments (it has no ping event); a stream that
@@ -79,14 +79,7 @@ async def create_response(request: Request) -> Response:
         request.state.caller,
         store_of(request),
     )
-    headers = {"x-request-id": request.state.request_id}
-    if body.stream:  # opened behind keep-alive pings where it waits (server/sse.py)
-        return await stream_generation(request, opening, headers, IN_BAND)
-    run = await opening
-    answer = await run_until_disconnect(request.receive, run.collect, run.aclose)
-    if answer is None:  # the client left; nobody reads this
-        return Response(status_code=499)
-    return JSONResponse(answer, headers=headers)
+    return await respond(request, opening, body.stream, IN_BAND)
 
 
 @router.get(
