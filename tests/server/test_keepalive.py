@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anthropic
@@ -57,6 +58,16 @@ def chat(rid: str, max_tokens: int = 8) -> dict[str, Any]:
     return {"url": "/v1/chat/completions", "json": body, "headers": {"x-request-id": rid}}
 
 
+@contextmanager
+def slot_held(c: httpx.Client, driver: EngineDriver) -> Iterator[Iterator[Any]]:
+    """The deployment's one slot, taken by a stream (``holder``) once its engine has
+    started it: what comes next waits in the queue. Yields the stream's events."""
+    with c.stream("POST", **completion("holder")) as held:
+        holder = events(held)
+        driver.started("holder")
+        yield holder
+
+
 def queued(c: httpx.Client) -> int:
     return int(c.get("/v1/deployments/scripted").json()["queued"])
 
@@ -83,9 +94,7 @@ def test_a_queued_stream_gets_its_head_then_pings_until_its_first_token(
 ) -> None:
     srv = serve(start_server, driver)
     with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
-        with c.stream("POST", **completion("holder")) as held:
-            holder = events(held)
-            driver.started("holder")
+        with slot_held(c, driver) as holder:
             with c.stream("POST", **chat("waiter")) as r:
                 # The head came while the request waits: the slot is still the holder's.
                 assert r.status_code == 200, r.read()
@@ -123,9 +132,7 @@ def test_a_queue_timeout_after_the_head_ends_the_stream_in_band(
 ) -> None:
     srv = serve(start_server, driver, queue_timeout_s=QUEUE_TIMEOUT_S)
     with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
-        with c.stream("POST", **completion("holder")) as held:
-            holder = events(held)
-            driver.started("holder")
+        with slot_held(c, driver) as holder:
             with c.stream("POST", **completion("waiter")) as r:
                 assert r.status_code == 200, r.read()
                 waiter = lines(r)
@@ -150,9 +157,7 @@ def test_a_client_leaving_a_queued_stream_gives_its_place_back(
 ) -> None:
     srv = serve(start_server, driver, max_queue=1)
     with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
-        with c.stream("POST", **completion("holder")) as held:
-            holder = events(held)
-            driver.started("holder")
+        with slot_held(c, driver) as holder:
             with c.stream("POST", **completion("leaver")) as r:
                 leaver = lines(r)  # referenced: a dropped reader closes the connection
                 next_ping(leaver)
@@ -177,9 +182,7 @@ def test_refusals_known_before_waiting_keep_their_status(
 ) -> None:
     srv = serve(start_server, driver, max_queue=0)
     with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
-        with c.stream("POST", **completion("holder")) as held:
-            holder = events(held)
-            driver.started("holder")
+        with slot_held(c, driver) as holder:
             full = c.post(**completion("refused"))
             assert full.status_code == 429, full.text
             assert full.json()["error"]["code"] == "overloaded"
@@ -217,10 +220,8 @@ def test_the_openai_sdk_reads_a_stream_that_pinged(
     with (
         httpx.Client(base_url=srv.url, timeout=HANG_S) as c,
         openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as client,
-        c.stream("POST", **completion("holder")) as held,
+        slot_held(c, driver) as holder,
     ):
-        holder = events(held)
-        driver.started("holder")
         stream = client.chat.completions.create(
             model="scripted",
             messages=[{"role": "user", "content": PROMPT}],
@@ -247,10 +248,8 @@ def test_the_openai_sdk_raises_the_in_band_queue_timeout(
     with (
         httpx.Client(base_url=srv.url, timeout=HANG_S) as c,
         openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as client,
-        c.stream("POST", **completion("holder")) as held,
+        slot_held(c, driver) as holder,
     ):
-        holder = events(held)
-        driver.started("holder")
         stream = client.completions.create(
             model="scripted", prompt=PROMPT, max_tokens=3, stream=True
         )
@@ -274,9 +273,7 @@ def test_a_messages_stream_pings_anthropics_way_and_ends_with_its_error_event(
         "stream": True,
     }
     with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
-        with c.stream("POST", **completion("holder")) as held:
-            holder = events(held)
-            driver.started("holder")
+        with slot_held(c, driver) as holder:
             with c.stream("POST", "/v1/messages", json=body) as r:
                 assert r.status_code == 200, r.read()
                 got = [line for line in r.iter_lines() if line]
@@ -300,10 +297,8 @@ def test_the_agent_sdks_read_streams_that_pinged(
         httpx.Client(base_url=srv.url, timeout=HANG_S) as c,
         openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as oai,
         anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0) as claude,
-        c.stream("POST", **completion("holder")) as held,
+        slot_held(c, driver) as holder,
     ):
-        holder = events(held)
-        driver.started("holder")
         # Each SDK has its stream's head while the request still waits in the queue.
         message = claude.messages.create(
             model="scripted",
@@ -342,10 +337,8 @@ def test_a_responses_stream_refused_after_its_head_ends_with_its_error_event(
     with (
         httpx.Client(base_url=srv.url, timeout=HANG_S) as c,
         openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as oai,
-        c.stream("POST", **completion("holder")) as held,
+        slot_held(c, driver) as holder,
     ):
-        holder = events(held)
-        driver.started("holder")
         got = list(oai.responses.create(model="scripted", input=PROMPT, stream=True))
         driver.finish("holder")
         assert list(holder)[-1] == DONE
