@@ -36,7 +36,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from tests.conftest import ServerProcess, launch
-from tokenmill.server.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
+from tokenmill.server.openai.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
 
 ADMIN_KEY = "admin-key-for-the-fuzzer"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -16,9 +16,9 @@ from tokenmill.gateway.metering import Caller
 from tokenmill.ledger.base import KEEP, MAX_WEIGHT, KeyInfo, KeyPriority, Receipt
 from tokenmill.ledger.base import Account as LedgerAccount
 from tokenmill.ledger.sql import SqlLedger
+from tokenmill.server.intake import parse_body
 from tokenmill.server.openapi import errors, json_body, link
 from tokenmill.server.protocol import Int
-from tokenmill.server.routes import parse
 
 router = APIRouter()
 # The most receipts one usage page lists.
@@ -207,7 +207,7 @@ ACCOUNT_LINKS = {
     responses={200: {"links": ACCOUNT_LINKS}, **errors(400, 413)},
 )
 async def create_account(request: Request) -> Account:
-    body = await parse(request, NewAccount)
+    body = await parse_body(request, NewAccount)
     acc = await ledger_of(request).create_account(
         body.name, body.balance, weight=body.weight, max_concurrent=body.max_concurrent
     )
@@ -225,7 +225,7 @@ async def get_account(request: Request, account_id: str) -> Account:
     responses={200: {"links": ACCOUNT_LINKS}, **errors(400, 404, 413)},
 )
 async def update_account(request: Request, account_id: str) -> Account:
-    body = await parse(request, AccountChange)
+    body = await parse_body(request, AccountChange)
     given = body.model_fields_set
     acc = await ledger_of(request).update_account(
         account_id,
@@ -243,7 +243,7 @@ async def update_account(request: Request, account_id: str) -> Account:
     responses={200: {"links": ACCOUNT_LINKS}, **errors(400, 404, 413)},
 )
 async def add_credits(request: Request, account_id: str) -> Account:
-    body = await parse(request, Credits)
+    body = await parse_body(request, Credits)
     return Account.of(await ledger_of(request).add_credits(account_id, body.amount))
 
 
@@ -264,7 +264,7 @@ async def account_usage(request: Request, account_id: str, limit: int = 100) -> 
     },
 )
 async def create_key(request: Request) -> NewApiKey:
-    body = await parse(request, NewKey)
+    body = await parse_body(request, NewKey)
     info, plaintext = await ledger_of(request).create_key(
         body.account, rpm=body.rpm, tpm=body.tpm, priority=body.priority
     )
@@ -285,7 +285,7 @@ async def revoke_key(request: Request, key_id: str) -> ApiKey:
     "/admin/keys/{key_id}", openapi_extra=json_body(KeyChange), responses=errors(400, 404, 413)
 )
 async def update_key(request: Request, key_id: str) -> ApiKey:
-    body = await parse(request, KeyChange)
+    body = await parse_body(request, KeyChange)
     info = await ledger_of(request).set_key_priority(key_id, body.priority)
     if info is None:
         raise NotFoundError(f"no key {key_id!r}", code="key_not_found")

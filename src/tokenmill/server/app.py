@@ -36,6 +36,7 @@ from tokenmill.ledger.responses import ResponseStore
 from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenmill.server.admin import router as admin_router
 from tokenmill.server.auth import Auth, KeyCache
+from tokenmill.server.deployments import router as deployments_router
 from tokenmill.server.errors import (
     ANTHROPIC_TYPES,
     anthropic_body,
@@ -46,10 +47,10 @@ from tokenmill.server.errors import (
     speaks_anthropic,
 )
 from tokenmill.server.messages.router import router as messages_router
+from tokenmill.server.openai.router import router as openai_router
 from tokenmill.server.openapi import document, json_response
 from tokenmill.server.protocol import Health, HealthDetail
 from tokenmill.server.responses.router import router as responses_router
-from tokenmill.server.routes import router
 
 log = logging.getLogger("tokenmill.server")
 
@@ -221,7 +222,9 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     # Assets under /playground/ only, so the playground never shadows an API path.
     app.mount("/playground", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
 
-    app.include_router(router)
+    # One router per API (each a folder: protocol, serving, events, router).
+    app.include_router(openai_router)
+    app.include_router(deployments_router)
     app.include_router(responses_router)
     app.include_router(messages_router)
     app.include_router(admin_router)

@@ -1,11 +1,16 @@
-"""Taking a request in, for the agent APIs' routes: its JSON body read into its wire
-model, and the gateway that serves it.
+"""Taking a request in, for every route that reads a body: its JSON read into its
+wire model, and the gateway that serves it. The one way in: the OpenAI routes, the
+deployments' predict endpoints, Responses, Messages, embeddings, tokenize and the
+admin API all parse here, so a bad body reads the same everywhere.
 
-A bad body is a 400 naming the field, as everywhere (:func:`~tokenmill.server.errors.
+A bad body is a 400 naming the field (:func:`~tokenmill.server.errors.
 from_validation_error`); the tags of the unions that pick an item or a block by its
 ``type`` are dropped from the name (``input.2.content``, not
 ``input.2.message.content``). :func:`unsupported` is the error of a field or value
-tokenmill does not implement (code ``unsupported_parameter``).
+tokenmill does not implement (code ``unsupported_parameter``). What is raised here is
+answered in the shape of the API the path belongs to
+(:func:`~tokenmill.server.errors.error_response`): Anthropic's on ``/v1/messages``,
+OpenAI's everywhere else.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
 from tokenmill import stages
-from tokenmill.errors import InvalidRequestError, UnavailableError
+from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableError
 from tokenmill.gateway.core import Gateway
+from tokenmill.gateway.deployment import Deployment
 from tokenmill.server.errors import from_validation_error, read_body
 from tokenmill.server.refused import UNSUPPORTED
 
@@ -34,7 +40,8 @@ def unsupported(what: str, advice: str = "leave it out") -> PydanticCustomError:
 
 
 async def parse_body(request: Request, model: type[M], tags: Collection[str] = ()) -> M:
-    """The request's body as ``model``; ``tags``: the union tags to drop from names."""
+    """The request's body as ``model`` (413 over the size limit, 400 when it is not a
+    JSON object that validates); ``tags``: the union tags to drop from names."""
     body = await read_body(request, request.app.state.settings.max_body_bytes)
     if not body.strip():
         raise InvalidRequestError("the request body is empty; send a JSON object")
@@ -63,3 +70,14 @@ def ready_gateway(request: Request) -> Gateway:
     if not gateway.ready:
         raise UnavailableError("the gateway is still loading its models; retry shortly")
     return gateway
+
+
+def deployment_by_id(gateway: Gateway, deployment_id: str) -> Deployment:
+    """The deployment a path names (``/v1/deployments/{deployment_id}``), or a 404."""
+    try:
+        return gateway.deployments[deployment_id]
+    except KeyError:
+        raise NotFoundError(
+            f"no deployment {deployment_id!r}; see GET /v1/deployments",
+            code="deployment_not_found",
+        ) from None

@@ -1,9 +1,10 @@
 """The served OpenAPI document, built from the pydantic models the routes validate with.
 
-The routes read their own bodies (the size limit applies before parsing, and a bad
-body is an OpenAI-format 400 naming the parameter), so FastAPI never sees their
-models. Each route names them instead: :func:`json_body` for the request,
-:func:`json_response`, :func:`event_stream` and :func:`errors` for what comes back.
+The routes read their own bodies through :mod:`tokenmill.server.intake` (the size
+limit applies before parsing, and a bad body is a 400 naming the parameter, in the
+API's own error format), so FastAPI never sees their models. Each route names them
+instead: :func:`json_body` for the request, :func:`json_response`,
+:func:`event_stream` and :func:`errors` for what comes back.
 Their schemas carry the models' definitions in ``$defs``; :func:`document` moves
 those into ``components.schemas``, marks the routes that need an API key, and
 documents the ``x-request-id`` header every response carries.

@@ -1,7 +1,11 @@
-"""OpenAI's chat completions and completions (and the deployment predict endpoints that
-answer in their shapes), as an adapter over the generation core (:mod:`tokenmill.chat`).
+"""OpenAI's chat completions, completions and embeddings (and the deployment predict
+endpoints and vLLM's tokenizer routes, which answer in the same family of shapes), as
+an adapter over the generation core (:mod:`tokenmill.chat`).
 
-``protocol`` (with ``tools`` and ``structured``): the wire models, validated and turned
-into the core's neutral request; ``serving``: the core's events shaped as OpenAI's
-chunks and bodies. Nothing here decides how a chat is rendered or read.
+The parts every API's folder has: ``protocol`` (with ``tools`` and ``structured``)
+the wire models, validated and turned into the core's neutral request; ``serving``
+opens a generation and pairs it with its encoder; ``events`` the pure encoders, the
+core's events shaped as OpenAI's chunks and bodies; ``router`` the thin routes.
+``embeddings`` and ``tokenizing`` serve the routes that generate nothing. Nothing
+here decides how a chat is rendered or read.
 """

@@ -13,7 +13,7 @@ means to generation is :mod:`tokenmill.server.responses.serving`'s business.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -142,6 +142,9 @@ class FunctionCallOutputItem(_Model):
         return _text(self.output)
 
 
+# Its validator raises whatever the ``type``, and validation is the only way one is
+# made (nothing builds these models with ``model_construct``): no validated request
+# ever holds one, so a request's items are always of the three kinds above.
 class UnsupportedItem(_Model):
     """Items of built-in tools, reasoning, references to stored items...: refused."""
 
@@ -162,13 +165,17 @@ def _item_tag(value: Any) -> str:
     return f"item:{kind}" if known else "item:other"
 
 
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("item:message")]
-    | Annotated[FunctionCallItem, Tag("item:function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("item:function_call_output")]
-    | Annotated[UnsupportedItem, Tag("item:other")],
-    Discriminator(_item_tag),
-]
+if TYPE_CHECKING:
+    # What a validated request holds (see UnsupportedItem): all the type checker sees.
+    InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+else:
+    InputItem = Annotated[
+        Annotated[MessageItem, Tag("item:message")]
+        | Annotated[FunctionCallItem, Tag("item:function_call")]
+        | Annotated[FunctionCallOutputItem, Tag("item:function_call_output")]
+        | Annotated[UnsupportedItem, Tag("item:other")],
+        Discriminator(_item_tag),
+    ]
 
 
 # -- tools and formats -----------------------------------------------------------------
@@ -356,7 +363,7 @@ class ResponsesRequest(BaseModel):
         """The input as items (a string is one user message)."""
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
-        return [i for i in self.input if not isinstance(i, UnsupportedItem)]
+        return list(self.input)
 
 
 class InputItemsQuery(BaseModel):

@@ -1,26 +1,28 @@
-"""The OpenAI-compatible routes and the deployment predict endpoints.
+"""The OpenAI-compatible routes: chat completions, completions, the deployments'
+predict endpoints (which answer in the same shapes), embeddings, the models list, and
+vLLM's tokenizer routes that OpenAI-compatible clients of vLLM read.
 
-Thin: parse and validate the body, ask the OpenAI adapter
-(:mod:`tokenmill.server.openai.serving`) for a generation, and send it as one JSON
-body or as server-sent events. All logic lives below this layer.
+Thin: parse the body (:mod:`tokenmill.server.intake`), ask the serving module
+(:mod:`~tokenmill.server.openai.serving`, :mod:`~tokenmill.server.openai.embeddings`,
+:mod:`~tokenmill.server.openai.tokenizing`), and send one JSON body or the
+server-sent events. All logic lives below this layer.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.responses import Response
 
-from tokenmill import stages
-from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableError
+from tokenmill.errors import InvalidRequestError
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.fairqueue import requested_priority
-from tokenmill.server import embeddings, tokenizing
-from tokenmill.server.errors import from_validation_error, read_body
+from tokenmill.server.intake import deployment_by_id, parse_body, ready_gateway
+from tokenmill.server.openai import embeddings, tokenizing
 from tokenmill.server.openai.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -47,12 +49,12 @@ from tokenmill.server.openapi import (
     json_response,
     schema_of,
 )
-from tokenmill.server.protocol import DeploymentInfo, DeploymentList, ModelCard, ModelList
+from tokenmill.server.protocol import ModelCard, ModelList
 from tokenmill.server.sse import EventStreamResponse, respond
 
 router = APIRouter()
-M = TypeVar("M", bound=BaseModel)
 
+# The predict endpoints' ``route`` header: which of the two shapes to answer in.
 ROUTE_HEADERS: dict[str, Route] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completion",
@@ -60,32 +62,6 @@ ROUTE_HEADERS: dict[str, Route] = {
     "completion": "completion",
     "completions": "completion",
 }
-
-
-def gateway_of(request: Request) -> Gateway:
-    gw: Gateway = request.app.state.gateway
-    if not gw.ready:
-        raise UnavailableError("the gateway is still loading its models; retry shortly")
-    return gw
-
-
-async def parse(request: Request, model: type[M]) -> M:
-    body = await read_body(request, request.app.state.settings.max_body_bytes)
-    if not body.strip():
-        raise InvalidRequestError("the request body is empty; send a JSON object")
-    try:
-        parsed = model.model_validate_json(body)
-    except ValidationError as e:
-        if any(err["type"] == "json_invalid" for err in e.errors()):
-            raise InvalidRequestError(
-                f"the request body is not valid JSON: {e.errors()[0]['msg']}",
-                code="invalid_json",
-            ) from None
-        if any(err["type"] == "model_type" and not err["loc"] for err in e.errors()):
-            raise InvalidRequestError("the request body must be a JSON object") from None
-        raise from_validation_error(e.errors()) from None
-    stages.mark("parsed")
-    return parsed
 
 
 async def _generate(
@@ -99,7 +75,7 @@ async def _generate(
     prompts: tuple[str | tuple[int, ...], ...] | None = None,
     messages: list[Message] | None = None,
 ) -> Response:
-    gw = gateway_of(request)
+    gw = ready_gateway(request)
     # The class it asked for, at most its key's (docs/fairness.md).
     caller = request.state.caller.asking(requested_priority(body.priority, body.service_tier))
     opening = open_generation(
@@ -148,14 +124,14 @@ def _generated(
     **_generated(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
 )
 async def chat_completions(request: Request) -> Response:
-    body = await parse(request, ChatCompletionRequest)
-    deployment = gateway_of(request).deployment(body.model)
+    body = await parse_body(request, ChatCompletionRequest)
+    deployment = ready_gateway(request).deployment(body.model)
     return await _generate(request, body, "chat", deployment, messages=body.messages)
 
 
 @router.post("/v1/completions", **_generated(CompletionRequest, Completion, CompletionChunk))
 async def completions(request: Request) -> Response:
-    body = await parse(request, CompletionRequest)
+    body = await parse_body(request, CompletionRequest)
     if body.best_of is not None and body.best_of != body.n:
         # best_of = n returns every candidate: that is n. Ranking candidates is not built.
         raise InvalidRequestError(
@@ -164,7 +140,7 @@ async def completions(request: Request) -> Response:
             param="best_of",
             code="unsupported_parameter",
         )
-    deployment = gateway_of(request).deployment(body.model)
+    deployment = ready_gateway(request).deployment(body.model)
     items = body.prompt_items()
     if len(items) > 1:
         return await _generate(request, body, "completion", deployment, prompts=items)
@@ -180,8 +156,8 @@ async def completions(request: Request) -> Response:
     responses={**errors(400, 404, 413, 503)},
 )
 async def tokenize(request: Request) -> Tokenized:
-    body = await parse(request, TokenizeBody)
-    return await tokenizing.tokenize(gateway_of(request).deployment(body.model), body)
+    body = await parse_body(request, TokenizeBody)
+    return await tokenizing.tokenize(ready_gateway(request).deployment(body.model), body)
 
 
 @router.post(
@@ -190,15 +166,15 @@ async def tokenize(request: Request) -> Tokenized:
     responses={**errors(400, 404, 413, 503)},
 )
 async def detokenize(request: Request) -> Detokenized:
-    body = await parse(request, DetokenizeBody)
-    return await tokenizing.detokenize(gateway_of(request).deployment(body.model), body)
+    body = await parse_body(request, DetokenizeBody)
+    return await tokenizing.detokenize(ready_gateway(request).deployment(body.model), body)
 
 
 @router.get("/tokenizer_info", responses={**errors(400, 404, 503)})
 async def tokenizer_info(request: Request, model: str | None = None) -> TokenizerInfoBody:
     # vLLM's route, where lm-evaluation-harness's remote tokenizer looks first: the
     # single deployment's unless ``?model=`` names one, as ``/tokenize`` picks it.
-    return await tokenizing.tokenizer_info(gateway_of(request).deployment(model))
+    return await tokenizing.tokenizer_info(ready_gateway(request).deployment(model))
 
 
 @router.post(
@@ -213,8 +189,8 @@ async def tokenizer_info(request: Request, model: str | None = None) -> Tokenize
     },
 )
 async def create_embeddings(request: Request) -> Response:
-    body = await parse(request, embeddings.EmbeddingBody)
-    gw = gateway_of(request)
+    body = await parse_body(request, embeddings.EmbeddingBody)
+    gw = ready_gateway(request)
     answer = await embeddings.embeddings(
         gw,
         gw.deployment(body.model),
@@ -226,9 +202,8 @@ async def create_embeddings(request: Request) -> Response:
 
 
 async def _predict(request: Request, deployment_id: str, stream: bool) -> Response:
-    gw = gateway_of(request)
-    deployment = _deployment_or_404(gw, deployment_id)
-    body = await parse(request, PredictRequest)
+    deployment = deployment_by_id(ready_gateway(request), deployment_id)
+    body = await parse_body(request, PredictRequest)
     route: Route = deployment.config.endpoint_type
     header = request.headers.get("route")
     if header is not None:
@@ -246,16 +221,6 @@ async def _predict(request: Request, deployment_id: str, stream: bool) -> Respon
     return await _generate(
         request, body, route, deployment, prompt=body.prompt, messages=body.messages
     )
-
-
-def _deployment_or_404(gw: Gateway, deployment_id: str) -> Deployment:
-    try:
-        return gw.deployments[deployment_id]
-    except KeyError:
-        raise NotFoundError(
-            f"no deployment {deployment_id!r}; see GET /v1/deployments",
-            code="deployment_not_found",
-        ) from None
 
 
 @router.post(
@@ -300,18 +265,3 @@ async def models(request: Request) -> ModelList:
 async def model(request: Request, model_id: str) -> ModelCard:
     gw: Gateway = request.app.state.gateway
     return _card(gw.deployment(model_id))
-
-
-@router.get("/v1/deployments")
-async def deployments(request: Request) -> DeploymentList:
-    gw: Gateway = request.app.state.gateway
-    return DeploymentList(
-        object="list",
-        data=[DeploymentInfo.model_validate(d.describe()) for d in gw.deployments.values()],
-    )
-
-
-@router.get("/v1/deployments/{deployment_id}", responses=errors(404))
-async def deployment(request: Request, deployment_id: str) -> DeploymentInfo:
-    gw: Gateway = request.app.state.gateway
-    return DeploymentInfo.model_validate(_deployment_or_404(gw, deployment_id).describe())
