@@ -1,14 +1,14 @@
 """Deployments and their replicas.
 
 A :class:`Deployment` is a named model (the ``model`` clients send) with one or more
-:class:`Replica` objects, each on a :class:`~tokenmill.gateway.hosts.ReplicaHost`
+:class:`Replica` objects, each on a :class:`~tokenmill.replicas.host.ReplicaHost`
 (the engine in this process, in a supervised child process, or in a Ray actor).
 Requests are admitted against the deployment's total slots and routed by the
 deployment's routing policy (:mod:`tokenmill.gateway.routing`), which sees each
 serving replica's load, measured speeds and, from the replicas' published KV caches
 (:mod:`tokenmill.gateway.prefix`), how much of the prompt each one holds.
 
-A deployment of a pool (``pool = "..."``, :mod:`tokenmill.gateway.pool`) shares its
+A deployment of a pool (``pool = "..."``, :mod:`tokenmill.replicas.pool`) shares its
 replicas with other gateways, so its admission's slots are an upper bound, not a
 promise: a replica whose slots other gateways hold refuses the request's
 ``reserve``, and
@@ -30,13 +30,13 @@ from tokenmill.config import DeploymentConfig, ReplicatedDeployment
 from tokenmill.engines import create_engine
 from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
-from tokenmill.gateway.hosts import ADMITTING, LocalHost, ReplicaHost, ReplicaState
 from tokenmill.gateway.prefix import PrefixIndex
-from tokenmill.gateway.process import ProcessLauncher
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
 from tokenmill.gateway.routing.speed import Speed
-from tokenmill.gateway.supervised import Launcher, SupervisedHost
 from tokenmill.kvblocks import BLOCK_TOKENS, BlockSnapshot, CacheEvent, chain
+from tokenmill.replicas.host import ADMITTING, LocalHost, ReplicaHost, ReplicaState
+from tokenmill.replicas.process import ProcessLauncher
+from tokenmill.replicas.supervisor import Launcher, SupervisedHost
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -115,11 +115,11 @@ def build_host(
         return LocalHost(create_engine(config))
     launcher: Launcher
     if config.pool is not None:
-        from tokenmill.gateway.pool import PoolLauncher
+        from tokenmill.replicas.pool import PoolLauncher
 
         launcher = PoolLauncher(config, index, ray_address)
     elif config.placement == "ray":
-        from tokenmill.gateway.rayhost import RayLauncher
+        from tokenmill.replicas.rayactor import RayLauncher
 
         launcher = RayLauncher(config, ray_address)
     else:

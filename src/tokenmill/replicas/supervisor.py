@@ -1,9 +1,9 @@
 """A replica outside the gateway's process, supervised: the gateway side of it.
 
-:class:`SupervisedHost` is a :class:`~tokenmill.gateway.hosts.ReplicaHost` whose engine
-runs elsewhere: a child process (:mod:`tokenmill.gateway.process`) or a Ray actor
-(:mod:`tokenmill.gateway.rayhost`). Both speak the frames of :mod:`tokenmill.gateway.wire`
-and run the same replica loop (:mod:`tokenmill.gateway.runner`); only what carries the
+:class:`SupervisedHost` is a :class:`~tokenmill.replicas.host.ReplicaHost` whose engine
+runs elsewhere: a child process (:mod:`tokenmill.replicas.process`) or a Ray actor
+(:mod:`tokenmill.replicas.rayactor`). Both speak the frames of :mod:`tokenmill.replicas.wire`
+and run the same replica loop (:mod:`tokenmill.replicas.runner`); only what carries the
 frames differs, and that is a :class:`Launcher` and its :class:`Channel`. Everything
 else lives here once: multiplexing requests by id, cancellation, the health probe, and
 restarting a replica that died.
@@ -16,7 +16,7 @@ process): the host pings it every ``probe_interval_s``; one whose last frame is 
 than ``probe_timeout_s``, or whose engine reports one decode step running longer
 than that, is killed, and handled like any other death.
 
-A replica of a pool (:mod:`tokenmill.gateway.pool`) is shared with other gateways and
+A replica of a pool (:mod:`tokenmill.replicas.pool`) is shared with other gateways and
 says so in its ``ready`` frame (``"shared": true``). It then keeps its own slot count:
 ``reserve`` holds the request's slots there, or fails with
 :class:`~tokenmill.errors.ReplicaFullError` at once (the deployment places the request
@@ -46,8 +46,9 @@ from tokenmill.engines.base import (
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
 from tokenmill.errors import EngineError, ReplicaFullError, TokenmillError
-from tokenmill.gateway.hosts import ReplicaLocation, ReplicaState
-from tokenmill.gateway.wire import (
+from tokenmill.kvblocks import CacheEvent
+from tokenmill.replicas.host import ReplicaLocation, ReplicaState
+from tokenmill.replicas.wire import (
     decode_cache_event,
     decode_chunk_row,
     decode_error,
@@ -56,9 +57,8 @@ from tokenmill.gateway.wire import (
     encode_request,
     encode_tokenize,
 )
-from tokenmill.kvblocks import CacheEvent
 
-log = logging.getLogger("tokenmill.gateway.supervised")
+log = logging.getLogger("tokenmill.replicas.supervisor")
 
 # A replica that has not loaded its model after this long is considered wedged.
 START_TIMEOUT_S = 300.0

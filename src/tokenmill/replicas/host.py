@@ -5,7 +5,7 @@ routes, streams, cancels and settles the same way whichever host it is:
 
 * :class:`LocalHost`: the engine in the gateway's own process (``placement =
   "local"``: embedding tokenmill, the benchmark's ceiling);
-* :class:`~tokenmill.gateway.supervised.SupervisedHost` over a child process
+* :class:`~tokenmill.replicas.supervisor.SupervisedHost` over a child process
   (``placement = "process"``, the default: a crash in native code takes down one
   replica, not the gateway) or over a Ray actor (``placement = "ray"``: a replica on
   any node of a Ray cluster). The supervised host restarts a replica that died or
