@@ -19,8 +19,8 @@ from tests.waiting import wait_until_async
 from tokenmill.config import ScriptedDeployment
 from tokenmill.engines.base import Chunk, GenerationRequest, SamplingParams, Usage
 from tokenmill.errors import EngineError
-from tokenmill.gateway.deployment import build_host
 from tokenmill.replicas.host import ReplicaHost, ReplicaState
+from tokenmill.replicas.placement import build_host
 
 
 def state_of(host: ReplicaHost) -> ReplicaState:

@@ -3,8 +3,8 @@
 A deployment's replica is a :class:`ReplicaHost`. The gateway admits, holds credit,
 routes, streams, cancels and settles the same way whichever host it is:
 
-* :class:`LocalHost`: the engine in the gateway's own process (``placement =
-  "local"``: embedding tokenmill, the benchmark's ceiling);
+* :class:`~tokenmill.replicas.local.LocalHost`: the engine in the gateway's own
+  process (``placement = "local"``: embedding tokenmill, the benchmark's ceiling);
 * :class:`~tokenmill.replicas.supervisor.SupervisedHost` over a child process
   (``placement = "process"``, the default: a crash in native code takes down one
   replica, not the gateway) or over a Ray actor (``placement = "ray"``: a replica on
@@ -22,35 +22,25 @@ returns a :class:`~tokenmill.engines.chunks.ChunkStream` ending in exactly one f
 item, ``cancel`` is fire-and-forget and ends the stream with the tokens produced.
 Embeddings keep :mod:`tokenmill.engines.embeddings`' (``prepare_embeddings``, then
 ``embed``); a host whose engine cannot embed refuses with a 400 naming ``model``.
+
+This module is the interface only; it imports no host, and nothing of the gateway.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from tokenmill import stages
 from tokenmill.engines.base import (
-    CachePublishing,
-    Engine,
     EngineHealth,
     GenerationRequest,
     PromptInfo,
     TokenizeRequest,
     TokenizerInfo,
-    TokenizingEngine,
 )
 from tokenmill.engines.chunks import ChunkStream
-from tokenmill.engines.embeddings import (
-    EmbeddingEngine,
-    EmbeddingInfo,
-    EmbeddingRequest,
-    Embeddings,
-    cannot_embed,
-)
-from tokenmill.errors import InvalidRequestError
+from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
 from tokenmill.kvblocks import CacheEvent
 
 ReplicaState = Literal["unloaded", "loading", "ready", "restarting", "unhealthy"]
@@ -92,6 +82,12 @@ class ReplicaHost(Protocol):
         (:mod:`tokenmill.kvblocks`): a snapshot whenever it (re)starts, then each
         change. Never called for a replica whose engine publishes no cache."""
 
+    def on_status(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the event loop) whenever the replica reports its status
+        (what :meth:`health` returns): a shared replica's slots may have come free, so a
+        request waiting for one tries again. A replica whose slots only this gateway
+        counts never needs to report, and may never call it."""
+
     async def start(self) -> None:
         """Load the replica; raise (and be ``unhealthy``) if it cannot. Idempotent."""
 
@@ -131,125 +127,4 @@ class ReplicaHost(Protocol):
     def health(self) -> EngineHealth: ...
 
 
-class LocalHost:
-    """The engine in the gateway's own process (``placement = "local"``)."""
-
-    kind = "local"
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._state: ReplicaState = "unloaded"
-        self._callbacks: list[Callable[[], None]] = []
-        self._cache_callbacks: list[Callable[[CacheEvent], None]] = []
-        self._publishing = False
-        self._lock = asyncio.Lock()
-
-    @property
-    def state(self) -> ReplicaState:
-        if self._state == "ready" and not self.engine.health().ready:
-            return "unhealthy"  # its engine failed (a dead decode loop): no restart here
-        return self._state
-
-    @property
-    def restarts(self) -> int:
-        return 0
-
-    def location(self) -> ReplicaLocation:
-        return ReplicaLocation()
-
-    def on_change(self, callback: Callable[[], None]) -> None:
-        self._callbacks.append(callback)
-
-    def on_cache(self, callback: Callable[[CacheEvent], None]) -> None:
-        self._cache_callbacks.append(callback)
-
-    def _publish(self) -> None:
-        """Have the engine report its cache to the callbacks, from any of its threads."""
-        if self._publishing or not isinstance(self.engine, CachePublishing):
-            return
-        self._publishing = True
-        loop = asyncio.get_running_loop()
-
-        def deliver(event: CacheEvent) -> None:
-            for callback in self._cache_callbacks:
-                callback(event)
-
-        def publish(event: CacheEvent) -> None:
-            loop.call_soon_threadsafe(deliver, event)
-
-        self.engine.publish_cache(publish)
-
-    def _set(self, state: ReplicaState) -> None:
-        if state != self._state:
-            self._state = state
-            for callback in self._callbacks:
-                callback()
-
-    async def start(self) -> None:
-        async with self._lock:
-            if self._state == "ready":
-                return
-            self._set("loading")
-            self._publish()
-            try:
-                await self.engine.start()
-            except BaseException:
-                self._set("unhealthy")
-                raise
-            self._set("ready")
-
-    async def close(self) -> None:
-        async with self._lock:
-            await self.engine.close()
-            self._set("unloaded")
-
-    async def reserve(self, request_id: str, weight: int) -> None:
-        pass  # this gateway's alone: the deployment counts its slots
-
-    async def prepare(self, request: GenerationRequest) -> PromptInfo:
-        stages.mark("prepare_start")
-        info = await self.engine.prepare(request)
-        stages.mark("prepare_end")
-        return info
-
-    def generate(self, request: GenerationRequest) -> ChunkStream:
-        return self.engine.generate(request)
-
-    def cancel(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
-
-    def _tokenizer(self) -> TokenizingEngine:
-        if not isinstance(self.engine, TokenizingEngine):
-            raise InvalidRequestError(
-                f"the {self.engine.name} engine has no tokenizer", param="model"
-            )
-        return self.engine
-
-    async def tokenize(self, request: TokenizeRequest) -> list[int]:
-        return await self._tokenizer().tokenize(request)
-
-    async def detokenize(self, tokens: Sequence[int]) -> str:
-        return await self._tokenizer().detokenize(tokens)
-
-    def context_length(self) -> int:
-        return self._tokenizer().context_length()
-
-    async def tokenizer_info(self) -> TokenizerInfo:
-        return await self._tokenizer().tokenizer_info()
-
-    def _embedder(self) -> EmbeddingEngine:
-        if not isinstance(self.engine, EmbeddingEngine):
-            raise InvalidRequestError(cannot_embed(self.engine.name), param="model")
-        return self.engine
-
-    async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
-        return await self._embedder().prepare_embeddings(request)
-
-    async def embed(self, request: EmbeddingRequest) -> Embeddings:
-        return await self._embedder().embed(request)
-
-    def health(self) -> EngineHealth:
-        return self.engine.health()
-
-
-__all__ = ["ADMITTING", "LocalHost", "ReplicaHost", "ReplicaLocation", "ReplicaState"]
+__all__ = ["ADMITTING", "ReplicaHost", "ReplicaLocation", "ReplicaState"]

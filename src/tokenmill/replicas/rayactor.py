@@ -67,7 +67,7 @@ from tokenmill.replicas.process import SocketChannel
 from tokenmill.replicas.supervisor import START_TIMEOUT_S
 from tokenmill.replicas.wire import HEADER, encode_frame
 
-log = logging.getLogger("tokenmill.gateway.ray")
+log = logging.getLogger("tokenmill.replicas.ray")
 
 _init_lock = threading.Lock()
 _users = 0  # launchers using this process's Ray connection

@@ -1,12 +1,13 @@
-"""A replica outside the gateway's process, supervised: the gateway side of it.
+"""A replica outside the gateway's process, supervised: launched, probed, restarted.
 
 :class:`SupervisedHost` is a :class:`~tokenmill.replicas.host.ReplicaHost` whose engine
 runs elsewhere: a child process (:mod:`tokenmill.replicas.process`) or a Ray actor
-(:mod:`tokenmill.replicas.rayactor`). Both speak the frames of :mod:`tokenmill.replicas.wire`
-and run the same replica loop (:mod:`tokenmill.replicas.runner`); only what carries the
-frames differs, and that is a :class:`Launcher` and its :class:`Channel`. Everything
-else lives here once: multiplexing requests by id, cancellation, the health probe, and
-restarting a replica that died.
+(:mod:`tokenmill.replicas.rayactor`). Both run the same replica loop
+(:mod:`tokenmill.replicas.runner`) and speak the frames of
+:mod:`tokenmill.replicas.wire`; only what carries the frames differs, and that is a
+:class:`Launcher` and its :class:`~tokenmill.replicas.client.Channel`. This module
+keeps one replica running; talking to it (requests as frames, multiplexed by id) is
+the :class:`~tokenmill.replicas.client.ReplicaClient` of each launch.
 
 A replica that dies (a segfault in llama.cpp, an OOM kill, its Ray node gone) fails
 its open requests at once with :class:`EngineError` (their streams end with it), the
@@ -17,10 +18,8 @@ than ``probe_timeout_s``, or whose engine reports one decode step running longer
 than that, is killed, and handled like any other death.
 
 A replica of a pool (:mod:`tokenmill.replicas.pool`) is shared with other gateways and
-says so in its ``ready`` frame (``"shared": true``). It then keeps its own slot count:
-``reserve`` holds the request's slots there, or fails with
-:class:`~tokenmill.errors.ReplicaFullError` at once (the deployment places the request
-elsewhere); a request reserved but never generated is dropped there by ``cancel``. The
+says so in its ``ready`` frame (``"shared": true``); its client then reserves slots
+there (``reserve`` may fail with :class:`~tokenmill.errors.ReplicaFullError`). The
 host only ever *detaches* from such a replica when it loses or closes it: the replica
 keeps serving the other gateways; killing it is for a replica that failed or hangs.
 """
@@ -32,10 +31,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tokenmill import stages
 from tokenmill.engines.base import (
     EngineHealth,
     GenerationRequest,
@@ -45,18 +42,10 @@ from tokenmill.engines.base import (
 )
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
-from tokenmill.errors import EngineError, ReplicaFullError, TokenmillError
+from tokenmill.errors import EngineError
 from tokenmill.kvblocks import CacheEvent
+from tokenmill.replicas.client import Channel, ReplicaClient
 from tokenmill.replicas.host import ReplicaLocation, ReplicaState
-from tokenmill.replicas.wire import (
-    decode_cache_event,
-    decode_chunk_row,
-    decode_error,
-    decode_tokenizer_info,
-    encode_embedding,
-    encode_request,
-    encode_tokenize,
-)
 
 log = logging.getLogger("tokenmill.replicas.supervisor")
 
@@ -72,39 +61,6 @@ PROBE_INTERVAL_S = 5.0
 PROBE_TIMEOUT_S = 30.0
 
 
-class Channel(Protocol):
-    """One incarnation of a replica: frames both ways, and its end."""
-
-    # Whether the replica's time.monotonic() is ours (the same host, one boot): only then
-    # do its first-token marks join the gateway's TTFT stages (tokenmill.stages).
-    same_clock: bool
-
-    def send(self, message: dict[str, Any]) -> None:
-        """Queue a frame for the replica; raise ``EngineError`` if it is gone."""
-
-    async def receive(self) -> dict[str, Any] | None:
-        """The replica's next frame; None once it is gone (and for good)."""
-        ...
-
-    def kill(self) -> None:
-        """End the replica now, without asking it."""
-
-    def detach(self) -> None:
-        """Let go of the replica: end it (``kill``) if it is this gateway's alone; for
-        a pool's, close this connection and leave it serving the others."""
-
-    async def wait(self) -> str:
-        """Wait until the replica has ended; how it ended (for the log)."""
-        ...
-
-    def location(self) -> ReplicaLocation: ...
-
-    @property
-    def name(self) -> str:
-        """What the logs call it: ``replica process 1234``, ``ray replica ...``."""
-        ...
-
-
 class Launcher(Protocol):
     """Starts replicas of one kind: ``launch`` returns the new replica's channel at
     once; its first frame says whether its engine loaded (``ready`` or ``fatal``)."""
@@ -115,28 +71,6 @@ class Launcher(Protocol):
 
     async def close(self) -> None:
         """The host closed: release what launching needed (a cluster connection)."""
-
-
-@dataclass(eq=False)
-class _Incarnation:
-    """One launched replica and what is waiting on it."""
-
-    channel: Channel
-    started: float = field(default_factory=time.monotonic)
-    streams: dict[str, ChunkStream] = field(default_factory=dict)
-    # prepare / tokenize / detokenize / embed calls waiting for their answer, by id.
-    calls: dict[str, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
-    lost: bool = False
-    answered: float = field(default_factory=time.monotonic)  # last frame received
-    # A pool's replica, shared with other gateways: it keeps the slot count, and holds
-    # the slots of these requests, reserved and not yet generated.
-    shared: bool = False
-    reserved: set[str] = field(default_factory=set)
-
-    def send(self, message: dict[str, Any]) -> None:
-        if self.lost:
-            raise EngineError("the replica is gone; retry the request")
-        self.channel.send(message)
 
 
 class SupervisedHost:
@@ -157,7 +91,7 @@ class SupervisedHost:
         self.probe_interval_s = probe_interval_s
         self.probe_timeout_s = probe_timeout_s
         self._restarts = 0
-        self._current: _Incarnation | None = None
+        self._current: ReplicaClient | None = None
         self._state: ReplicaState = "unloaded"
         self._status: dict[str, Any] = {"slots": slots, "context_length": context_length}
         self._supervisor: asyncio.Task[None] | None = None
@@ -168,7 +102,6 @@ class SupervisedHost:
         self._lost = asyncio.Event()
         self._closing = False
         self._lock = asyncio.Lock()
-        self._calls = 0  # calls sent, for their ids
 
     # -- state --------------------------------------------------------------------
 
@@ -201,6 +134,10 @@ class SupervisedHost:
 
     def on_cache(self, callback: Callable[[CacheEvent], None]) -> None:
         self._cache_callbacks.append(callback)
+
+    def _cache_changed(self, event: CacheEvent) -> None:
+        for callback in self._cache_callbacks:
+            callback(event)
 
     def _set(self, state: ReplicaState) -> None:
         if state != self._state:
@@ -247,14 +184,14 @@ class SupervisedHost:
             current = self._current
             if current is not None:
                 with contextlib.suppress(Exception):
-                    current.send({"op": "close"})
+                    current.stop()
                 try:
                     await asyncio.wait_for(current.channel.wait(), CLOSE_WAIT_S)
                 except TimeoutError:
                     log.warning("%s did not stop; killing it", current.channel.name)
                     current.channel.kill()
                     await current.channel.wait()
-                self._fail(current, EngineError("the replica is shutting down"))
+                current.fail(EngineError("the replica is shutting down"))
                 self._current = None
             tasks, self._tasks = self._tasks, []
             for task in tasks:
@@ -280,11 +217,16 @@ class SupervisedHost:
             how = await channel.wait()
             raise EngineError(f"the {self.kind} replica failed to start ({reason}; {how})")
         self._status = dict(first.get("status") or self._status)
-        current = _Incarnation(channel, shared=bool(first.get("shared")))
+        current = ReplicaClient(
+            channel,
+            shared=bool(first.get("shared")),
+            on_status=self._status_changed,
+            on_cache=self._cache_changed,
+        )
         self._current = current
         self._lost.clear()
         self._tasks = [
-            asyncio.create_task(self._read_loop(current)),
+            asyncio.create_task(self._serve(current)),
             asyncio.create_task(self._probe(current)),
         ]
         self._set("ready")
@@ -312,7 +254,7 @@ class SupervisedHost:
                 except Exception as e:
                     log.error("restarting the %s replica failed: %s", self.kind, e)
 
-    async def _probe(self, current: _Incarnation) -> None:
+    async def _probe(self, current: ReplicaClient) -> None:
         """Kill the replica when it stops answering pings or a decode step hangs."""
         while not current.lost:
             await asyncio.sleep(self.probe_interval_s)
@@ -330,198 +272,59 @@ class SupervisedHost:
                 )
                 current.channel.kill()
                 return
-            with contextlib.suppress(EngineError):
-                current.send({"op": "ping"})
+            current.ping()
 
-    async def _read_loop(self, current: _Incarnation) -> None:
-        streams = current.streams
-        # A replica's monotonic marks line up with ours only on the same host's clock.
-        clock = current.channel.same_clock
+    async def _serve(self, current: ReplicaClient) -> None:
+        """Read the replica's frames until it is gone, then have it restarted."""
         try:
-            while True:
-                msg = await current.channel.receive()
-                if msg is None:
-                    break
-                current.answered = time.monotonic()
-                op = msg["op"]
-                if op == "chunks":
-                    marks = msg.get("t")
-                    if marks is not None and clock:
-                        # The replica's marks of first tokens, before the chunks end
-                        # (and remove) their streams.
-                        for rid, values in marks.items():
-                            stream = streams.get(rid)
-                            if stream is not None:
-                                stream.marks = stages.received(values, current.answered)
-                    for row in msg["c"]:
-                        rid, chunk = decode_chunk_row(row)
-                        stream = streams.get(rid)
-                        if stream is not None:
-                            stream.put(chunk)
-                            if stream.ended:
-                                del streams[rid]
-                elif op in ("kv", "kv_all"):
-                    event = decode_cache_event(msg)
-                    for callback in self._cache_callbacks:
-                        callback(event)
-                elif op in ("status", "pong"):
-                    self._status_changed(msg["status"])
-                elif op == "full":  # a shared replica's slots are all taken
-                    rid = msg["id"]
-                    full = ReplicaFullError(
-                        f"{current.channel.name} has no free slot (other gateways hold "
-                        "them); place the request on another replica"
-                    )
-                    call = current.calls.pop(rid, None)
-                    if call is not None and not call.done():
-                        call.set_exception(full)
-                    stream = streams.pop(rid, None)
-                    if stream is not None:
-                        stream.put(full)
-                    self._status_changed(msg["status"])
-                elif op in ("prepared", "answer", "reserved"):
-                    call = current.calls.pop(msg["id"], None)
-                    if call is not None and not call.done():
-                        call.set_result(msg)
-                elif op == "error":
-                    rid = msg["id"]
-                    err = decode_error(msg["error"])
-                    call = current.calls.pop(rid, None)
-                    if call is not None and not call.done():
-                        call.set_exception(err)
-                    stream = streams.pop(rid, None)
-                    if stream is not None:
-                        stream.put(err)
-        except Exception:
-            log.exception("reading from %s failed", current.channel.name)
+            await current.read()
         finally:
             # It is gone (or closing): nothing it had will ever answer.
             if current is self._current and not self._closing:
                 self._set("restarting")
-            self._fail(current, EngineError("the replica died during the request; retry it"))
+            current.fail(EngineError("the replica died during the request; retry it"))
             self._lost.set()
 
-    def _fail(self, current: _Incarnation, err: TokenmillError) -> None:
-        current.lost = True
-        current.channel.detach()
-        current.reserved.clear()
-        for stream in current.streams.values():
-            stream.put(err)
-        current.streams.clear()
-        for call in current.calls.values():
-            if not call.done():
-                call.set_exception(err)
-        current.calls.clear()
+    # -- requests: the live replica's client ------------------------------------------
 
-    # -- requests ---------------------------------------------------------------------
-
-    def _live(self) -> _Incarnation:
+    def _live(self) -> ReplicaClient:
         current = self._current
         if current is None or current.lost or self._state != "ready":
             raise EngineError("the replica is restarting; retry the request")
         return current
 
-    async def _call(self, call_id: str, message: dict[str, Any]) -> dict[str, Any]:
-        """Send a frame and wait for the answer with its id (``prepared``/``answer``)."""
-        current = self._live()
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        current.calls[call_id] = fut
-        try:
-            current.send({**message, "id": call_id})
-            return await fut
-        finally:
-            current.calls.pop(call_id, None)
-
     async def reserve(self, request_id: str, weight: int) -> None:
-        """Hold ``weight`` slots for the request on a shared replica (a pool's), or
-        raise :class:`ReplicaFullError` at once; nothing to do on a replica of this
-        gateway's own, whose slots the deployment counts."""
-        current = self._live()
-        if not current.shared:
-            return
-        await self._call(request_id, {"op": "reserve", "w": weight})
-        current.reserved.add(request_id)
+        await self._live().reserve(request_id, weight)
 
     async def prepare(self, request: GenerationRequest) -> PromptInfo:
-        current = self._current
-        answer = await self._call(
-            request.request_id, {"op": "prepare", "req": encode_request(request)}
-        )
-        work = answer.get("t")  # when the replica began and ended the work
-        if work and current is not None and current.channel.same_clock:
-            stages.mark("prepare_start", work[0])
-            stages.mark("prepare_end", work[1])
-        tokens = answer.get("k")
-        return PromptInfo(
-            answer["prompt_tokens"],
-            answer["context_length"],
-            longest_prompt=answer.get("longest_prompt"),
-            tokens=None if tokens is None else tuple(tuple(p) for p in tokens),
-        )
-
-    def _next_call_id(self) -> str:
-        self._calls += 1
-        return f"call-{self._calls}"
+        return await self._live().prepare(request)
 
     async def tokenize(self, request: TokenizeRequest) -> list[int]:
-        answer = await self._call(
-            self._next_call_id(), {"op": "tokenize", "req": encode_tokenize(request)}
-        )
-        return [int(t) for t in answer["tokens"]]
+        return await self._live().tokenize(request)
 
     async def detokenize(self, tokens: Sequence[int]) -> str:
-        answer = await self._call(
-            self._next_call_id(), {"op": "detokenize", "tokens": list(tokens)}
-        )
-        return str(answer["text"])
+        return await self._live().detokenize(tokens)
 
     async def tokenizer_info(self) -> TokenizerInfo:
-        answer = await self._call(self._next_call_id(), {"op": "tokenizer_info"})
-        return decode_tokenizer_info(answer["info"])
+        return await self._live().tokenizer_info()
 
     def context_length(self) -> int:
         # The replica reports its engine's in every status frame.
         return int(self._status.get("context_length") or 0)
 
     async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
-        answer = await self._call(
-            self._next_call_id(), {"op": "embed_prepare", "req": encode_embedding(request)}
-        )
-        return EmbeddingInfo(int(answer["prompt_tokens"]), int(answer["dimensions"]))
+        return await self._live().prepare_embeddings(request)
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
-        answer = await self._call(
-            self._next_call_id(), {"op": "embed", "req": encode_embedding(request)}
-        )
-        vectors = tuple(tuple(float(x) for x in v) for v in answer["vectors"])
-        return Embeddings(vectors, int(answer["prompt_tokens"]))
+        return await self._live().embed(request)
 
     def generate(self, request: GenerationRequest) -> ChunkStream:
-        current = self._live()
-        rid = request.request_id
-        stream = ChunkStream(rid, self.cancel)
-        current.streams[rid] = stream
-        current.reserved.discard(rid)
-        try:
-            current.send({"op": "generate", "req": encode_request(request)})
-        except BaseException:
-            current.streams.pop(rid, None)
-            raise
-        return stream
+        return self._live().generate(request)
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request; on a shared replica, also drop one reserved and never
-        generated (its slots are held there)."""
         current = self._current
-        if current is None:
-            return
-        if request_id in current.reserved:
-            current.reserved.discard(request_id)
-        elif request_id not in current.streams:
-            return
-        # If the replica is gone, _fail ends the stream instead.
-        with contextlib.suppress(EngineError):
-            current.send({"op": "abort", "id": request_id})
+        if current is not None:
+            current.cancel(request_id)
 
 
-__all__ = ["Channel", "Launcher", "SupervisedHost"]
+__all__ = ["Launcher", "SupervisedHost"]
