@@ -147,7 +147,7 @@ def llama_server_binary() -> Path:
 
 def llama_server(binary: Path, gguf: Path, threads: int, tmp: Path) -> Server:
     """llama.cpp's own server as tokenmill runs the model: same file, threads and slots."""
-    from tokenmill.engines.threads import extra_buffers_work
+    from tokenmill.engines.llamacpp.threads import extra_buffers_work
 
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads)]

@@ -185,7 +185,7 @@ class RayCluster:
 
 
 # Light nodes (no dashboard, monitors or big object store) that notice a dead node
-# within about a second (tokenmill.gateway.rayhost.LOCAL_SYSTEM_CONFIG).
+# within about a second (tokenmill.replicas.rayactor.LOCAL_SYSTEM_CONFIG).
 RAY_NODE_ARGS: dict[str, Any] = {
     "include_dashboard": False,
     "object_store_memory": 80 << 20,
@@ -200,7 +200,7 @@ def ray_cluster() -> Iterator[RayCluster]:
     os.environ["RAY_AUTH_MODE"] = "disabled"
     from ray.cluster_utils import Cluster
 
-    from tokenmill.gateway.rayhost import LOCAL_SYSTEM_CONFIG
+    from tokenmill.replicas.rayactor import LOCAL_SYSTEM_CONFIG
 
     head = {
         **RAY_NODE_ARGS,

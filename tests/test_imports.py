@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import tokenmill.replicas
 
 HEAVY = ("llama_cpp", "ray", "torch")
 
@@ -48,3 +52,23 @@ def test_the_generation_core_imports_no_web_framework_nor_server() -> None:
     above = {m for m in loaded if m.split(".")[0] in ("fastapi", "starlette", "uvicorn")}
     above |= {m for m in loaded if m.startswith("tokenmill.server")}
     assert not above, above
+
+
+def test_replica_hosting_imports_neither_the_gateway_nor_the_server() -> None:
+    # tokenmill.replicas sits under the gateway's request path: the gateway imports
+    # it, never the other way round. Read from the source, so that an import inside a
+    # function or under TYPE_CHECKING counts too.
+    package = Path(tokenmill.replicas.__file__).parent
+    above = ("tokenmill.gateway", "tokenmill.server")
+    found = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                names = [node.module]
+            else:
+                continue
+            found += [f"{path.name}: {n}" for n in names if n.startswith(above)]
+    assert len(list(package.glob("*.py"))) > 10  # the package, not an empty folder
+    assert not found, found

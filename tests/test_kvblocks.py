@@ -9,7 +9,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engines.slots import common_prefix
+from tokenmill.engines.llamacpp.slots import common_prefix
 from tokenmill.gateway.prefix import PrefixIndex
 from tokenmill.kvblocks import (
     BLOCK_TOKENS,

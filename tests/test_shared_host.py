@@ -22,7 +22,7 @@ from tests.conftest import ServerProcess, free_port
 from tests.sse import events
 from tests.waiting import wait_until
 from tokenmill.bench import busy_loops
-from tokenmill.engines.threads import available_cpus, extra_buffers_work
+from tokenmill.engines.llamacpp.threads import available_cpus, extra_buffers_work
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 64

@@ -38,8 +38,8 @@ def mask_cost(tokens: int = MASK_TOKENS) -> dict[str, Any]:
 
     from tokenmill.engines.base import Constraint
     from tokenmill.engines.embedded import embedded_model_path
-    from tokenmill.engines.grammar import GrammarCache
-    from tokenmill.engines.vocab import Vocab, init_backend
+    from tokenmill.engines.llamacpp.grammar import GrammarCache
+    from tokenmill.engines.llamacpp.vocab import Vocab, init_backend
 
     init_backend()
     params = ll.llama_model_default_params()

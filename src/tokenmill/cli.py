@@ -121,7 +121,7 @@ def _extensions() -> list[Callable[[argparse._SubParsersAction[argparse.Argument
     for module_name in (
         "tokenmill.client.cli",
         "tokenmill.ledger.cli",
-        "tokenmill.gateway.pool_cli",
+        "tokenmill.replicas.pool_cli",
         "tokenmill.bench",
     ):
         try:

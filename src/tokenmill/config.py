@@ -109,13 +109,13 @@ class DeploymentCommon(BaseModel):
 
 
 Placement = Literal["process", "local", "ray"]
-# A pool's name: its replicas are the Ray actors "<pool>/<index>" (tokenmill.gateway.pool).
+# A pool's name: its replicas are the Ray actors "<pool>/<index>" (tokenmill.replicas.pool).
 POOL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class ReplicatedDeployment(DeploymentCommon):
     """A deployment that runs its engine in ``replicas`` copies, each placed by
-    ``placement``: "process" (a supervised child process, tokenmill.gateway.process),
+    ``placement``: "process" (a supervised child process, tokenmill.replicas.process),
     "local" (in the gateway's own process: for embedding tokenmill and for the
     benchmark's ceiling) or "ray" (a Ray actor, on the cluster of Settings.ray_address)."""
 
@@ -138,7 +138,7 @@ class ReplicatedDeployment(DeploymentCommon):
     replica_nice: int = Field(default=0, ge=0, le=19)
     # placement = "ray" only: the replicas are the named Ray actors of this pool, shared
     # by every gateway (or Serve cell) that names it, created by the first one to need
-    # each (tokenmill.gateway.pool; docs/pools.md).
+    # each (tokenmill.replicas.pool; docs/pools.md).
     pool: str | None = Field(default=None, pattern=POOL_NAME_PATTERN, max_length=64)
 
     def ray_cpus(self) -> float:
@@ -220,7 +220,7 @@ class LlamaCppDeployment(ReplicatedDeployment):
     n_threads: int | None = Field(default=None, ge=1)
     # Fewer llama.cpp threads for a step when that is measured to be faster: where other
     # busy processes share the cores, threads that wait for each other at every barrier
-    # lose to one (see tokenmill.engines.threads). false: always n_threads.
+    # lose to one (see tokenmill.engines.llamacpp.threads). false: always n_threads.
     adapt_threads: bool = True
 
     def ray_cpus(self) -> float:

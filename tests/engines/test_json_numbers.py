@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.engines.base import Constraint
-from tokenmill.engines.grammar import grammar_text
 from tokenmill.engines.json_numbers import INTEGER_MAX, INTEGER_MIN, bound_numbers
+from tokenmill.engines.llamacpp.grammar import grammar_text
 
 EOS = 256
 # Bytes drawn freely before the walker steers to the end (closing what is open).

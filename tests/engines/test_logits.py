@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from tokenmill.engines.logits import LogitRow
+from tokenmill.engines.llamacpp.logits import LogitRow
 
 
 def reference(logits: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tokenmill.engines.llamacpp.slotcache import SlotCache, SlotChange, WarmUp
-from tokenmill.engines.slots import plan_placement
+from tokenmill.engines.llamacpp.slots import plan_placement
 
 
 class Mirror:

@@ -1,4 +1,4 @@
-"""KV-slot placement (engines/slots.py): pure decisions over slot bookkeeping, no model."""
+"""KV-slot placement (engines/llamacpp/slots.py): pure decisions over slot bookkeeping, no model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from tokenmill.engines.slots import (
+from tokenmill.engines.llamacpp.slots import (
     KV_COPY_MIN_TOKENS,
     Placement,
     Slot,

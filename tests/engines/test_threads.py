@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.engines import threads as th
-from tokenmill.engines.threads import ThreadTuner, available_cpus, thread_counts
+from tokenmill.engines.llamacpp import threads as th
+from tokenmill.engines.llamacpp.threads import ThreadTuner, available_cpus, thread_counts
 
 
 class Clock:

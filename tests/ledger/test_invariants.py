@@ -74,7 +74,7 @@ from tests.sse import DONE, events
 from tests.waiting import wait_until
 from tokenmill.config import ScriptedDeployment
 from tokenmill.engines.base import GenerationRequest, SamplingParams
-from tokenmill.gateway.deployment import build_host
+from tokenmill.replicas.placement import build_host
 
 WAVE1 = 100  # streams before the kill, nothing killed
 STREAMS = 200

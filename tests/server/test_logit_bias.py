@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import ServerProcess
 from tests.server.test_bad_input import assert_error
-from tokenmill.engines.vocab import GgufTokenizer
+from tokenmill.engines.llamacpp.vocab import GgufTokenizer
 
 ASK = [{"role": "user", "content": "Name a fruit."}]
 

@@ -30,7 +30,7 @@ Contract every implementation keeps:
 A new backend (vLLM, say) is one more class with these methods and a
 ``from_config`` constructor taking its deployment's config section; where it runs
 (the gateway's process, a child process, a Ray actor) is the replica host's business
-(:mod:`tokenmill.gateway.hosts`), not the engine's.
+(:mod:`tokenmill.replicas.host`), not the engine's.
 """
 
 from __future__ import annotations
@@ -374,7 +374,7 @@ class SteppedEngine(Protocol):
     """An optional capability: chunks handed over per decode step, off the event loop.
 
     A replica process uses it to write each step's tokens straight to the gateway
-    (see :mod:`tokenmill.gateway.runner`); everything else uses ``generate()``. Once a
+    (see :mod:`tokenmill.replicas.runner`); everything else uses ``generate()``. Once a
     step sink is set, every request is started with ``submit`` (``generate`` refuses).
     """
 

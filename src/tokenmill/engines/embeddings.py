@@ -1,7 +1,7 @@
 """Embeddings: an optional engine capability, and what travels with it.
 
 An engine that can embed (the llama.cpp engine, see
-:mod:`tokenmill.engines.llama_embed`) implements :class:`EmbeddingEngine`. It works
+:mod:`tokenmill.engines.llamacpp.embedder`) implements :class:`EmbeddingEngine`. It works
 like a generation without completion tokens, in two calls, so that the gateway can
 hold credit between them:
 

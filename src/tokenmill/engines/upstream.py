@@ -13,7 +13,7 @@ Token counts. The usage that is billed comes from the upstream's final usage
 chunk. Before generation (admission and the credit hold) and when an upstream
 reports no usage, tokens are counted with the deployment's ``tokenizer``: a GGUF
 file matching the upstream model, read without its weights
-(:class:`~tokenmill.engines.vocab.GgufTokenizer`), which renders chat messages with
+(:class:`~tokenmill.engines.llamacpp.vocab.GgufTokenizer`), which renders chat messages with
 that model's own template. Without one, an OpenAI-compatible API cannot tokenize
 without generating, so the prompt is *estimated* (about 4 characters a token plus a
 few tokens a message). Completion tokens without upstream usage are at least the
@@ -65,7 +65,7 @@ from tokenmill.errors import (
 )
 
 if TYPE_CHECKING:
-    from tokenmill.engines.vocab import GgufTokenizer
+    from tokenmill.engines.llamacpp.vocab import GgufTokenizer
 
 log = logging.getLogger("tokenmill.engines.upstream")
 
@@ -146,7 +146,7 @@ class UpstreamEngine:
 
     async def start(self) -> None:
         if self.config.tokenizer and self._tokenizer is None:
-            from tokenmill.engines.vocab import GgufTokenizer
+            from tokenmill.engines.llamacpp.vocab import GgufTokenizer
 
             self._tokenizer = await asyncio.to_thread(GgufTokenizer, self.config.tokenizer)
             log.info("%s counts tokens with %s", self.config.id, self._tokenizer.path.name)

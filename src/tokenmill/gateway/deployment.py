@@ -1,14 +1,15 @@
 """Deployments and their replicas.
 
 A :class:`Deployment` is a named model (the ``model`` clients send) with one or more
-:class:`Replica` objects, each on a :class:`~tokenmill.gateway.hosts.ReplicaHost`
-(the engine in this process, in a supervised child process, or in a Ray actor).
+:class:`Replica` objects, each on a :class:`~tokenmill.replicas.host.ReplicaHost`
+(the engine in this process, in a supervised child process, or in a Ray actor),
+built by :func:`~tokenmill.replicas.placement.build_host`.
 Requests are admitted against the deployment's total slots and routed by the
 deployment's routing policy (:mod:`tokenmill.gateway.routing`), which sees each
 serving replica's load, measured speeds and, from the replicas' published KV caches
 (:mod:`tokenmill.gateway.prefix`), how much of the prompt each one holds.
 
-A deployment of a pool (``pool = "..."``, :mod:`tokenmill.gateway.pool`) shares its
+A deployment of a pool (``pool = "..."``, :mod:`tokenmill.replicas.pool`) shares its
 replicas with other gateways, so its admission's slots are an upper bound, not a
 promise: a replica whose slots other gateways hold refuses the request's
 ``reserve``, and
@@ -26,17 +27,15 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.config import DeploymentConfig, ReplicatedDeployment
-from tokenmill.engines import create_engine
+from tokenmill.config import DeploymentConfig
 from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
-from tokenmill.gateway.hosts import ADMITTING, LocalHost, ReplicaHost, ReplicaState
 from tokenmill.gateway.prefix import PrefixIndex
-from tokenmill.gateway.process import ProcessLauncher
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
 from tokenmill.gateway.routing.speed import Speed
-from tokenmill.gateway.supervised import Launcher, SupervisedHost
 from tokenmill.kvblocks import BLOCK_TOKENS, BlockSnapshot, CacheEvent, chain
+from tokenmill.replicas.host import ADMITTING, ReplicaHost, ReplicaState
+from tokenmill.replicas.placement import build_host
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -105,34 +104,6 @@ class Replica:
         return out
 
 
-def build_host(
-    config: DeploymentConfig, *, ray_address: str | None = None, index: int = 0
-) -> ReplicaHost:
-    """The host of replica ``index`` of ``config``: where its engine runs is its
-    placement (a Ray placement joins the cluster at ``ray_address``, or starts a local
-    one; in a pool, replica ``index`` is the pool's actor of that index)."""
-    if not isinstance(config, ReplicatedDeployment) or config.placement == "local":
-        return LocalHost(create_engine(config))
-    launcher: Launcher
-    if config.pool is not None:
-        from tokenmill.gateway.pool import PoolLauncher
-
-        launcher = PoolLauncher(config, index, ray_address)
-    elif config.placement == "ray":
-        from tokenmill.gateway.rayhost import RayLauncher
-
-        launcher = RayLauncher(config, ray_address)
-    else:
-        launcher = ProcessLauncher(config.model_dump(mode="json"), nice=config.replica_nice)
-    return SupervisedHost(
-        launcher,
-        slots=config.max_num_seqs,
-        context_length=config.n_ctx,
-        probe_interval_s=config.health_check_interval_s,
-        probe_timeout_s=config.health_check_timeout_s,
-    )
-
-
 @dataclass
 class _Idle:
     task: asyncio.Task[None] | None = None
@@ -171,8 +142,7 @@ class Deployment:
         for replica in self.replicas:
             replica.host.on_change(self._changed(replica.index))
             replica.host.on_cache(self._cached(replica.index))
-            if isinstance(replica.host, SupervisedHost):
-                replica.host.on_status(self._wake)
+            replica.host.on_status(self._wake)
         self.created = int(time.time())
         self._load_lock = asyncio.Lock()
         self._idle = _Idle()
@@ -181,10 +151,6 @@ class Deployment:
         # not unload under them.
         self.preparing = 0
         self._template: tuple[str | None] | None = None  # the model's, once asked
-
-    @property
-    def endpoint_type(self) -> str:
-        return self.config.endpoint_type
 
     async def start(self) -> None:
         if self.config.idle_unload_s is not None:

@@ -34,7 +34,7 @@ from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.config import Settings
-from tokenmill.gateway.rayhost import acquire_ray, release_ray
+from tokenmill.replicas.rayactor import acquire_ray, release_ray
 
 log = logging.getLogger("tokenmill.server.cells")
 

@@ -30,8 +30,19 @@ The parts, one job each:
 * ``context``: the loaded model and context: every llama.cpp call of the decode side.
 * ``counters``: what the engine has done, for health and tests.
 
-The pure parts (``choices``, ``admission``, ``batch``, ``slotcache``) import no
-llama.cpp and are unit-tested without it: this package's ``__init__`` loads
+Used by those, and by nothing outside llama.cpp:
+
+* ``vocab``: a GGUF model's tokenizer and chat template (also counts tokens for an
+  upstream deployment, loaded ``vocab_only``).
+* ``slots``: where a request goes among the KV slots, by their cached prefixes (pure).
+* ``sampling``: a request's sampler chain; ``logits``: a step's logits as rows.
+* ``grammar``: constraints (JSON schema, regex, choices) as llguidance grammars.
+* ``embedder``: embeddings, run on the decode thread.
+* ``threads``: how many threads a step uses, tuned by measuring; the CPU it runs on.
+
+The pure parts (``choices``, ``admission``, ``batch``, ``slotcache``, ``slots``,
+``logits``, ``threads``) import no llama.cpp and are unit-tested without it: this
+package's ``__init__`` loads
 ``engine`` (and so ``llama_cpp``) only when :class:`LlamaCppEngine` is asked for.
 The engine is loaded lazily by name, never by ``import tokenmill``.
 """

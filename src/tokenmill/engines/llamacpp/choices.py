@@ -27,7 +27,7 @@ from tokenmill.engines.logprobs import TokenAligner
 from tokenmill.engines.textstream import TextStream
 
 if TYPE_CHECKING:
-    from tokenmill.engines.grammar import SequenceGrammar
+    from tokenmill.engines.llamacpp.grammar import SequenceGrammar
 
 __all__ = ["Choice", "Group", "build_group"]
 

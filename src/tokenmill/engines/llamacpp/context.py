@@ -4,7 +4,7 @@
 stream per slot (``kv_unified=false``) and the batch every step is written into. It
 decodes, reads logits, samples, and copies or drops a slot's KV cells; what those
 cells hold is recorded elsewhere (:mod:`.slotcache`), and what to do with them is
-decided elsewhere (:mod:`tokenmill.engines.slots`, :mod:`.kvslots`).
+decided elsewhere (:mod:`tokenmill.engines.llamacpp.slots`, :mod:`.kvslots`).
 
 All of it runs on the engine's decode thread (or, before the loop starts, the thread
 that loads the model).
@@ -21,7 +21,7 @@ from typing import Any
 import llama_cpp as ll
 import numpy as np
 
-from tokenmill.engines.vocab import Vocab, init_backend, model_params
+from tokenmill.engines.llamacpp.vocab import Vocab, init_backend, model_params
 from tokenmill.errors import EngineError
 
 __all__ = ["LlamaContext"]

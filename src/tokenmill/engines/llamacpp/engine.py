@@ -35,17 +35,17 @@ from tokenmill.engines.base import (
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
-from tokenmill.engines.grammar import GrammarCache
-from tokenmill.engines.llama_embed import Embedder
 from tokenmill.engines.llamacpp.choices import Choice, build_group
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
+from tokenmill.engines.llamacpp.embedder import Embedder
+from tokenmill.engines.llamacpp.grammar import GrammarCache
 from tokenmill.engines.llamacpp.intake import NextTurns, prompt_tokens
 from tokenmill.engines.llamacpp.kvslots import KvSlots
 from tokenmill.engines.llamacpp.loop import PREFILL_CHUNK, DecodeLoop
 from tokenmill.engines.llamacpp.slotcache import SlotCache
-from tokenmill.engines.threads import ThreadTuner, available_cpus
-from tokenmill.engines.vocab import Vocab
+from tokenmill.engines.llamacpp.threads import ThreadTuner, available_cpus
+from tokenmill.engines.llamacpp.vocab import Vocab
 from tokenmill.errors import EngineError
 from tokenmill.kvblocks import CacheEvent, CachePublisher
 
@@ -275,7 +275,7 @@ class LlamaCppEngine:
             await self.start()
         return self.vocab.info(self.n_ctx_seq)
 
-    # -- embeddings (the work runs on the decode thread: see llama_embed.py) -----------
+    # -- embeddings (the work runs on the decode thread: see embedder.py) -----------
 
     async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
         if self._loaded is None:
@@ -338,7 +338,7 @@ class LlamaCppEngine:
         ``sink`` is called once per decode step with every ``(request_id, chunk or
         error)`` the step produced, before the next step starts. A replica process
         writes them to the gateway from there, so a token crosses no event loop on
-        its way out (see :mod:`tokenmill.gateway.runner`). It must not block for
+        its way out (see :mod:`tokenmill.replicas.runner`). It must not block for
         long, and must not call back into the engine. Requests are then started with
         :meth:`submit`.
         """

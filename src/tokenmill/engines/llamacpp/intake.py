@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from tokenmill.engines.base import GenerationRequest
 from tokenmill.engines.chat_template import next_user_turn
-from tokenmill.engines.vocab import Vocab
+from tokenmill.engines.llamacpp.vocab import Vocab
 from tokenmill.errors import ContextLengthError, InvalidRequestError
 
 __all__ = ["NEXT_TURNS_KEPT", "NextTurns", "prompt_tokens"]

@@ -1,7 +1,7 @@
 """The slots' KV cells on llama.cpp: placements, copies, releases and warm-ups.
 
 Which slot a request takes and what moves with it is decided by
-:func:`~tokenmill.engines.slots.plan_placement`; what every slot holds is recorded
+:func:`~tokenmill.engines.llamacpp.slots.plan_placement`; what every slot holds is recorded
 in a :class:`~.slotcache.SlotCache`. :class:`KvSlots` carries the decisions out on
 the llama.cpp context and records each in the cache (whose listeners so see every
 change), in that order.
@@ -16,7 +16,7 @@ from tokenmill.engines.llamacpp.choices import Choice
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
 from tokenmill.engines.llamacpp.slotcache import SlotCache, WarmUp
-from tokenmill.engines.slots import plan_placement
+from tokenmill.engines.llamacpp.slots import plan_placement
 
 __all__ = ["KvSlots"]
 

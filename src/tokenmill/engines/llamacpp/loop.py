@@ -22,18 +22,18 @@ from typing import Any
 import llama_cpp as ll
 
 from tokenmill.engines.base import Chunk, FinishReason, TokenLogprob
-from tokenmill.engines.llama_embed import Embedder
 from tokenmill.engines.llamacpp.admission import RequestQueue
 from tokenmill.engines.llamacpp.batch import plan_batch
 from tokenmill.engines.llamacpp.choices import Choice, Group
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
+from tokenmill.engines.llamacpp.embedder import Embedder
 from tokenmill.engines.llamacpp.kvslots import KvSlots
+from tokenmill.engines.llamacpp.logits import LogitRow
 from tokenmill.engines.llamacpp.outputs import OutputRows
-from tokenmill.engines.logits import LogitRow
+from tokenmill.engines.llamacpp.sampling import build_sampler
+from tokenmill.engines.llamacpp.threads import ThreadTuner
 from tokenmill.engines.logprobs import finite
-from tokenmill.engines.sampling import build_sampler
-from tokenmill.engines.threads import ThreadTuner
 from tokenmill.errors import EngineError
 
 __all__ = ["PREFILL_CHUNK", "WARM_AFTER_S", "DecodeLoop"]

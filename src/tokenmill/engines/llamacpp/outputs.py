@@ -15,7 +15,7 @@ import logging
 from tokenmill.engines.base import Chunk, TokenLogprob, TopLogprob
 from tokenmill.engines.llamacpp.choices import Choice
 from tokenmill.engines.llamacpp.context import LlamaContext
-from tokenmill.engines.logits import LogitRow
+from tokenmill.engines.llamacpp.logits import LogitRow
 from tokenmill.engines.logprobs import finite
 
 __all__ = ["OutputRows"]

@@ -2,7 +2,7 @@
 
 Each slot of the llama.cpp engine is a llama.cpp sequence with its own KV stream. The
 tokens a request leaves in its slot's cells stay there after it ends, as a prefix
-cache (see :mod:`tokenmill.engines.slots`, which places requests by it).
+cache (see :mod:`tokenmill.engines.llamacpp.slots`, which places requests by it).
 :class:`SlotCache` records, for every slot, exactly which token sequence its cells
 hold, position 0 on; the engine changes the record only through its methods, right
 after (or, for a decode, right before) it changes the cells themselves.
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from tokenmill.engines.slots import Placement, Slot, apply_placement, common_prefix
+from tokenmill.engines.llamacpp.slots import Placement, Slot, apply_placement, common_prefix
 
 __all__ = ["SlotCache", "SlotChange", "SlotListener", "WarmUp"]
 
@@ -69,7 +69,7 @@ class WarmUp:
 class SlotCache(Generic[S]):
     """The token sequence every slot's KV cells hold, and the request in each slot.
 
-    ``slots`` is the list :func:`~tokenmill.engines.slots.plan_placement` reads; it
+    ``slots`` is the list :func:`~tokenmill.engines.llamacpp.slots.plan_placement` reads; it
     is for reading only: every write goes through a method here, so that listeners
     see it.
     """
@@ -107,7 +107,7 @@ class SlotCache(Generic[S]):
 
     def place(self, plan: Placement, seq: S, *, now: float, keep: int) -> None:
         """Record a carried-out placement: what was parked, copied and kept (see
-        :func:`~tokenmill.engines.slots.apply_placement`); ``seq`` takes ``plan.dest``."""
+        :func:`~tokenmill.engines.llamacpp.slots.apply_placement`); ``seq`` takes ``plan.dest``."""
         touched = [plan.dest] if plan.park_to is None else [plan.park_to, plan.dest]
         before = [self.slots[i].tokens[:] for i in touched] if self._listeners else []
         apply_placement(self.slots, plan, seq, now=now, keep=keep)

@@ -1,6 +1,6 @@
-"""A replica shared by several gateways (gateway/shared.py), without Ray.
+"""A replica shared by several gateways (replicas/shared.py), without Ray.
 
-Two gateways' connections (socket pairs speaking the frames of gateway/wire.py) to one
+Two gateways' connections (socket pairs speaking the frames of replicas/wire.py) to one
 :class:`SharedReplica` whose scripted engine the driver runs: the replica keeps its
 own slot count across both, sends each gateway its own requests' frames and every
 gateway its status, and outlives a gateway that leaves.
@@ -16,8 +16,8 @@ from typing import Any
 from tests.driver import EngineDriver
 from tests.waiting import HANG_S
 from tokenmill.engines.base import GenerationRequest, SamplingParams
-from tokenmill.gateway.shared import SharedReplica
-from tokenmill.gateway.wire import encode_frame, encode_request, read_frame
+from tokenmill.replicas.shared import SharedReplica
+from tokenmill.replicas.wire import encode_frame, encode_request, read_frame
 
 
 class Gateway:

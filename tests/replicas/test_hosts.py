@@ -2,7 +2,7 @@
 
 The same scripted engine runs in the test's own process (``local``), in a child
 process (``process``) and in a Ray actor on a real Ray cluster (``ray``); the
-gateway drives all of them through :class:`~tokenmill.gateway.hosts.ReplicaHost`
+gateway drives all of them through :class:`~tokenmill.replicas.host.ReplicaHost`
 and nothing else. Every step is ordered by the driver's events, never by time.
 """
 
@@ -19,8 +19,8 @@ from tests.waiting import wait_until_async
 from tokenmill.config import ScriptedDeployment
 from tokenmill.engines.base import Chunk, GenerationRequest, SamplingParams, Usage
 from tokenmill.errors import EngineError
-from tokenmill.gateway.deployment import build_host
-from tokenmill.gateway.hosts import ReplicaHost, ReplicaState
+from tokenmill.replicas.host import ReplicaHost, ReplicaState
+from tokenmill.replicas.placement import build_host
 
 
 def state_of(host: ReplicaHost) -> ReplicaState:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 
 from tokenmill.engines.base import ChatMessage, GenerationRequest, SamplingParams
-from tokenmill.gateway.wire import (
+from tokenmill.kvblocks import BlockSnapshot, BlockUpdate, CacheEvent, chain
+from tokenmill.replicas.wire import (
     decode_cache_event,
     decode_request,
     encode_cache_event,
     encode_request,
 )
-from tokenmill.kvblocks import BlockSnapshot, BlockUpdate, CacheEvent, chain
 
 
 def through_json(event: CacheEvent) -> CacheEvent:

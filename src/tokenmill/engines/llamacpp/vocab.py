@@ -22,7 +22,7 @@ import llama_cpp as ll
 from tokenmill.engines.base import GenerationRequest, TokenizeRequest, TokenizerInfo
 from tokenmill.engines.chat_template import render_chat
 from tokenmill.engines.embedded import embedded_model_path
-from tokenmill.engines.threads import extra_buffers_work
+from tokenmill.engines.llamacpp.threads import extra_buffers_work
 from tokenmill.errors import EngineError, InvalidRequestError
 
 # llama.cpp's vocabulary types (``llama_vocab_type``), named in ``tokenizer_class``.
@@ -44,7 +44,7 @@ def init_backend() -> None:
 
 def model_params() -> Any:
     """llama.cpp's model parameters for loading a model to run it (see
-    :func:`~tokenmill.engines.threads.extra_buffers_work`)."""
+    :func:`~tokenmill.engines.llamacpp.threads.extra_buffers_work`)."""
     params = ll.llama_model_default_params()
     params.use_extra_bufts = extra_buffers_work()
     return params

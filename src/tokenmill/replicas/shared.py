@@ -1,14 +1,14 @@
 """A replica that several gateways share: one engine, a connection per gateway.
 
-A pool's replica (:mod:`tokenmill.gateway.pool`) loads its engine once and serves every
+A pool's replica (:mod:`tokenmill.replicas.pool`) loads its engine once and serves every
 gateway attached to it, each over a connection of its own carrying the frames of
-:mod:`tokenmill.gateway.wire`, as a replica of one gateway does
-(:func:`tokenmill.gateway.runner.serve`). What differs:
+:mod:`tokenmill.replicas.wire`, as a replica of one gateway does
+(:func:`tokenmill.replicas.runner.serve`). What differs:
 
 * **Its slots are its own.** Each gateway admits against its own view, so the
   replica decides: a gateway's ``reserve`` (``{"op": "reserve", "id", "w"}``, sent
   once it has chosen this replica) holds the request's ``w`` slots (one per choice) in
-  a :class:`~tokenmill.gateway.slotbook.SlotBook` and is answered ``reserved``, or at
+  a :class:`~tokenmill.replicas.slotbook.SlotBook` and is answered ``reserved``, or at
   once ``{"op": "full", "id", "status"}``, and that gateway tries another replica or
   waits for a slot. The ``generate`` that follows runs on the reservation; the
   request's final chunk frees it; a gateway's ``abort`` before its ``generate`` drops
@@ -50,7 +50,7 @@ from tokenmill.engines.base import (
     StepSink,
 )
 from tokenmill.errors import InvalidRequestError
-from tokenmill.gateway.runner import (
+from tokenmill.replicas.runner import (
     STATUS_INTERVAL_S,
     FrameWriter,
     Outbox,
@@ -59,8 +59,8 @@ from tokenmill.gateway.runner import (
     load_engine,
     step_sink,
 )
-from tokenmill.gateway.slotbook import SlotBook
-from tokenmill.gateway.wire import (
+from tokenmill.replicas.slotbook import SlotBook
+from tokenmill.replicas.wire import (
     decode_request,
     encode_cache_event,
     encode_error,
@@ -68,7 +68,7 @@ from tokenmill.gateway.wire import (
     read_frame,
 )
 
-log = logging.getLogger("tokenmill.gateway.shared")
+log = logging.getLogger("tokenmill.replicas.shared")
 
 
 @dataclass(eq=False)

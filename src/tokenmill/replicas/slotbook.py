@@ -1,6 +1,6 @@
 """A shared replica's own count of its slots: who holds each, across every gateway.
 
-A replica of a pool (:mod:`tokenmill.gateway.shared`) serves several gateways at once,
+A replica of a pool (:mod:`tokenmill.replicas.shared`) serves several gateways at once,
 each admitting against its own view. The replica alone knows how many of its slots
 are taken, so it alone says yes or no: a gateway's ``prepare`` *reserves* a request's
 slots (one per choice), its ``generate`` turns the reservation into a running

@@ -2,18 +2,18 @@
 
 The gateway keeps supervising, exactly as for a child process: admission, the credit
 hold, the stream, cancellation and settlement stay in the gateway, and the replica
-runs the same loop (:func:`tokenmill.gateway.runner.serve`). A :class:`RayLauncher`
+runs the same loop (:func:`tokenmill.replicas.runner.serve`). A :class:`RayLauncher`
 creates one :class:`ReplicaActor` per replica; the
-:class:`~tokenmill.gateway.supervised.SupervisedHost` around it restarts it when it
+:class:`~tokenmill.replicas.supervisor.SupervisedHost` around it restarts it when it
 dies (a new actor, which Ray places on any node with the resources: a surviving one
 when its node is gone).
 
 Ray places, locates and supervises the actor; the frames do not travel as Ray objects.
 The actor listens on its node's address (a port of the system's choosing) and the
 gateway connects to it: the same length-prefixed frames of
-:mod:`tokenmill.gateway.wire` as a process replica's socket pair, written and read by
-the same code (:class:`~tokenmill.gateway.process.SocketChannel` here,
-:func:`~tokenmill.gateway.runner.serve_stream` in the actor). Frames as Ray objects
+:mod:`tokenmill.replicas.wire` as a process replica's socket pair, written and read by
+the same code (:class:`~tokenmill.replicas.process.SocketChannel` here,
+:func:`~tokenmill.replicas.runner.serve_stream` in the actor). Frames as Ray objects
 (one per decode step actor -> gateway, one ``send`` call per event-loop pass the other
 way) cost what Ray charges per object: on 2 cores, 1.26 ms of gateway CPU a token
 against a process replica's 0.44 at one stream, 20.46 ms of actor CPU against
@@ -62,12 +62,12 @@ from ray.exceptions import RayError
 from tokenmill import stages
 from tokenmill.config import ReplicatedDeployment
 from tokenmill.errors import EngineError
-from tokenmill.gateway.hosts import ReplicaLocation
-from tokenmill.gateway.process import SocketChannel
-from tokenmill.gateway.supervised import START_TIMEOUT_S
-from tokenmill.gateway.wire import HEADER, encode_frame
+from tokenmill.replicas.host import ReplicaLocation
+from tokenmill.replicas.process import SocketChannel
+from tokenmill.replicas.supervisor import START_TIMEOUT_S
+from tokenmill.replicas.wire import HEADER, encode_frame
 
-log = logging.getLogger("tokenmill.gateway.ray")
+log = logging.getLogger("tokenmill.replicas.ray")
 
 _init_lock = threading.Lock()
 _users = 0  # launchers using this process's Ray connection
@@ -170,7 +170,7 @@ def renice_threads(nice: int) -> None:
 
 
 class ReplicaActor:
-    """The replica side on Ray: :func:`tokenmill.gateway.runner.serve` in an actor,
+    """The replica side on Ray: :func:`tokenmill.replicas.runner.serve` in an actor,
     over one authenticated TCP connection from its gateway."""
 
     def __init__(self, section: dict[str, Any], log_level: str, nice: int, secret: str) -> None:
@@ -210,7 +210,7 @@ class ReplicaActor:
         self._taken = True
         if self._listener is not None:
             self._listener.close()  # the connection stays; nobody else gets one
-        from tokenmill.gateway.runner import serve_stream
+        from tokenmill.replicas.runner import serve_stream
 
         code = 1
         try:

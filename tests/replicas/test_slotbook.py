@@ -1,11 +1,11 @@
-"""A shared replica's slot book (gateway/slotbook.py): pure decisions, no replica."""
+"""A shared replica's slot book (replicas/slotbook.py): pure decisions, no replica."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.gateway.slotbook import SlotBook
+from tokenmill.replicas.slotbook import SlotBook
 
 A, B = 1, 2  # two gateways' connections
 

@@ -1,10 +1,10 @@
 """The replica side of a supervised replica: :func:`serve`.
 
 Builds the engine of one deployment config section, then answers the frames of
-:mod:`tokenmill.gateway.wire` until the gateway says ``close`` or is gone, so an
+:mod:`tokenmill.replicas.wire` until the gateway says ``close`` or is gone, so an
 orphaned replica never lingers. A replica process runs it as ``python -m
-tokenmill.gateway.runner`` over the socket inherited as ``--fd``; a Ray actor
-(:mod:`tokenmill.gateway.rayhost`) runs the same loop over a TCP connection to its
+tokenmill.replicas.runner`` over the socket inherited as ``--fd``; a Ray actor
+(:mod:`tokenmill.replicas.rayactor`) runs the same loop over a TCP connection to its
 gateway (:func:`serve_stream`, both).
 
 An engine with a step sink (``set_step_sink`` / ``submit`` / ``cancel``, as the
@@ -51,7 +51,7 @@ from tokenmill.engines.base import (
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embeddings import EmbeddingEngine, cannot_embed
 from tokenmill.errors import InvalidRequestError
-from tokenmill.gateway.wire import (
+from tokenmill.replicas.wire import (
     chunk_row,
     decode_embedding,
     decode_request,
@@ -63,7 +63,7 @@ from tokenmill.gateway.wire import (
     read_frame,
 )
 
-log = logging.getLogger("tokenmill.gateway.runner")
+log = logging.getLogger("tokenmill.replicas.runner")
 
 # Health is pushed to the gateway at most this often, and only when it changed.
 STATUS_INTERVAL_S = 0.25
@@ -387,7 +387,7 @@ async def serve_stream(
     """A replica over a stream socket, closed when it ends: frames read by ``reader``,
     written by a :class:`FrameWriter` on the same socket (from the decode thread too).
     A replica process's inherited socket, or a Ray actor's TCP connection to its
-    gateway (:mod:`tokenmill.gateway.rayhost`)."""
+    gateway (:mod:`tokenmill.replicas.rayactor`)."""
 
     async def receive() -> dict[str, Any] | None:
         return await read_frame(reader)
@@ -407,7 +407,7 @@ async def serve_socket(fd: int, section: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokenmill.gateway.runner")
+    parser = argparse.ArgumentParser(prog="tokenmill.replicas.runner")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--section", required=True, help="the deployment's config, JSON")
     parser.add_argument("--log-level", default="INFO")

@@ -15,9 +15,9 @@ conversation continued through another gateway meets the same engines.
   model, other slots...) is refused with the keys named, not served a different model.
   The answer says where to connect and carries a one-time ticket, the ``hello`` of
   one connection (as a single gateway's Ray replica takes a secret in its
-  constructor, :mod:`tokenmill.gateway.rayhost`; anyone who can call the actor is on
+  constructor, :mod:`tokenmill.replicas.rayactor`; anyone who can call the actor is on
   the cluster already). The replica then serves every connection at once, enforcing
-  its own slot count (:mod:`tokenmill.gateway.shared`).
+  its own slot count (:mod:`tokenmill.replicas.shared`).
 * **Gateways come and go; the pool stays.** A gateway closing detaches (its
   connection closes, its requests end); the actors keep running for the others and
   for the next gateway. Only ``tokenmill pool stop NAME`` (:func:`stop_pool`) removes
@@ -25,7 +25,7 @@ conversation continued through another gateway meets the same engines.
   that started it exiting: share a pool through a real cluster, ``ray_address``).
 * **A replica that dies is seen by all.** Each attached gateway's connection ends
   (or Ray fails its pending ``ended`` call), so each one's
-  :class:`~tokenmill.gateway.supervised.SupervisedHost` launches again: the first to
+  :class:`~tokenmill.replicas.supervisor.SupervisedHost` launches again: the first to
   get there creates a new actor under the name, the others attach to it. A gateway
   that finds the dead actor still registered under the name retries shortly.
   A replica found wedged (its probe) or that fails to load is killed by the gateway
@@ -50,8 +50,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from tokenmill import stages
 from tokenmill.config import ReplicatedDeployment
 from tokenmill.errors import EngineError
-from tokenmill.gateway.hosts import ReplicaLocation
-from tokenmill.gateway.rayhost import (
+from tokenmill.replicas.host import ReplicaLocation
+from tokenmill.replicas.rayactor import (
     CONNECT_TIMEOUT_S,
     RayChannel,
     acquire_ray,
@@ -60,11 +60,11 @@ from tokenmill.gateway.rayhost import (
     release_ray,
     renice_threads,
 )
-from tokenmill.gateway.shared import SharedReplica
-from tokenmill.gateway.supervised import START_TIMEOUT_S
-from tokenmill.gateway.wire import encode_frame
+from tokenmill.replicas.shared import SharedReplica
+from tokenmill.replicas.supervisor import START_TIMEOUT_S
+from tokenmill.replicas.wire import encode_frame
 
-log = logging.getLogger("tokenmill.gateway.pool")
+log = logging.getLogger("tokenmill.replicas.pool")
 
 # Pools' actors live in this Ray namespace, whatever namespace a gateway joins with.
 POOL_NAMESPACE = "tokenmill-pools"

@@ -1,6 +1,6 @@
 """``tokenmill pool list|stop``: a cluster's replica pools, from the shell.
 
-A pool's replicas outlive every gateway (:mod:`tokenmill.gateway.pool`), so removing
+A pool's replicas outlive every gateway (:mod:`tokenmill.replicas.pool`), so removing
 them is an operator's act: ``tokenmill pool stop NAME`` kills them on the cluster of
 ``--ray-address`` (default ``$TOKENMILL_RAY_ADDRESS``, else ``auto``: the cluster this
 machine's ``ray start`` joined). Ray is imported only when a command runs.
@@ -24,7 +24,7 @@ def _connected(args: argparse.Namespace) -> str | None:
     address = _ray_address(args)
     if address == "local":
         return "a private local Ray instance holds no pool of other gateways: name the cluster"
-    from tokenmill.gateway.rayhost import acquire_ray
+    from tokenmill.replicas.rayactor import acquire_ray
 
     try:
         acquire_ray(address)
@@ -37,8 +37,8 @@ def _list(args: argparse.Namespace) -> int:
     if (error := _connected(args)) is not None:
         print(f"tokenmill: {error}", file=sys.stderr)
         return 1
-    from tokenmill.gateway.pool import pool_actors
-    from tokenmill.gateway.rayhost import release_ray
+    from tokenmill.replicas.pool import pool_actors
+    from tokenmill.replicas.rayactor import release_ray
 
     try:
         print(json.dumps(pool_actors(), indent=2))
@@ -51,8 +51,8 @@ def _stop(args: argparse.Namespace) -> int:
     if (error := _connected(args)) is not None:
         print(f"tokenmill: {error}", file=sys.stderr)
         return 1
-    from tokenmill.gateway.pool import stop_pool
-    from tokenmill.gateway.rayhost import release_ray
+    from tokenmill.replicas.pool import stop_pool
+    from tokenmill.replicas.rayactor import release_ray
 
     try:
         stopped = stop_pool(args.name)

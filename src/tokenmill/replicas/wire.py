@@ -9,7 +9,7 @@ replica batches every chunk its engine produced in one decode step into one
 running streams, not one message per token.
 
 Frames, gateway -> replica: ``hello`` (the first on a Ray actor's connection: the
-secret the gateway gave the actor, :mod:`tokenmill.gateway.rayhost`), ``prepare``,
+secret the gateway gave the actor, :mod:`tokenmill.replicas.rayactor`), ``prepare``,
 ``generate``, ``abort`` (by id: the one way to stop a request, answered by its final
 ``abort`` chunk), ``tokenize``, ``detokenize``, ``tokenizer_info``, ``embed_prepare``,
 ``embed`` (by call id), ``ping``, ``close``. Replica -> gateway: ``ready`` / ``fatal``

@@ -16,7 +16,7 @@ from tokenmill.engines.base import (
     ToolSpec,
     Usage,
 )
-from tokenmill.gateway.wire import chunk_row, decode_chunk_row, decode_request, encode_request
+from tokenmill.replicas.wire import chunk_row, decode_chunk_row, decode_request, encode_request
 
 
 def roundtrip_request(request: GenerationRequest) -> GenerationRequest:

@@ -28,7 +28,7 @@ from tests.sse import DONE, events, text, to_done
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import ReplicatedDeployment
 from tokenmill.errors import EngineError
-from tokenmill.gateway.wire import encode_frame, read_frame
+from tokenmill.replicas.wire import encode_frame, read_frame
 from tokenmill.stages import STAGE_NAMES
 
 PROMPT = "Tell a long story."  # 4 words: 4 prompt tokens for the scripted engine
@@ -245,7 +245,7 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
 
 def run_on_ray(cluster: RayCluster, scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Run ``scenario`` on an event loop of its own, connected to ``cluster``'s Ray."""
-    from tokenmill.gateway.rayhost import acquire_ray, release_ray
+    from tokenmill.replicas.rayactor import acquire_ray, release_ray
 
     acquire_ray(cluster.address)
     try:
@@ -275,7 +275,7 @@ def scripted_on_ray(driver: EngineDriver) -> ReplicatedDeployment:
 def test_a_ray_channel_keeps_frame_order_and_ends_with_its_actor(
     driver: EngineDriver, ray_cluster: RayCluster
 ) -> None:
-    from tokenmill.gateway.rayhost import RayLauncher
+    from tokenmill.replicas.rayactor import RayLauncher
 
     async def scenario() -> None:
         launcher = RayLauncher(scripted_on_ray(driver), ray_cluster.address)
@@ -312,7 +312,7 @@ def test_a_ray_actor_serves_only_the_connection_that_brings_its_secret(
 ) -> None:
     import ray
 
-    from tokenmill.gateway.rayhost import ReplicaActor
+    from tokenmill.replicas.rayactor import ReplicaActor
 
     async def closed_at_once(address: str, port: int, first: bytes) -> None:
         reader, writer = await asyncio.open_connection(address, port)
@@ -353,8 +353,8 @@ def test_a_ray_channel_ends_when_ray_says_its_actor_died_though_its_socket_stays
     # A vanished node may never close the connection: Ray's word is enough.
     import ray
 
-    from tokenmill.gateway.hosts import ReplicaLocation
-    from tokenmill.gateway.rayhost import RayChannel, ReplicaActor
+    from tokenmill.replicas.host import ReplicaLocation
+    from tokenmill.replicas.rayactor import RayChannel, ReplicaActor
 
     async def scenario() -> None:
         section = scripted_on_ray(driver).model_dump(mode="json")

@@ -1,8 +1,8 @@
 """Process replicas: an engine in a child process, ``placement = "process"``.
 
-A :class:`ProcessLauncher` starts ``python -m tokenmill.gateway.runner`` with one end
-of a ``socketpair``; the frames of :mod:`tokenmill.gateway.wire` cross it,
-length-prefixed. The :class:`~tokenmill.gateway.supervised.SupervisedHost` around it
+A :class:`ProcessLauncher` starts ``python -m tokenmill.replicas.runner`` with one end
+of a ``socketpair``; the frames of :mod:`tokenmill.replicas.wire` cross it,
+length-prefixed. The :class:`~tokenmill.replicas.supervisor.SupervisedHost` around it
 does the rest (requests, cancellation, the health probe, restarts). A crash in native
 code (a segfault in llama.cpp, an OOM kill) takes down that child only.
 
@@ -23,16 +23,16 @@ import sys
 from typing import Any
 
 from tokenmill.errors import EngineError
-from tokenmill.gateway.hosts import ReplicaLocation
-from tokenmill.gateway.wire import encode_frame, read_frame
+from tokenmill.replicas.host import ReplicaLocation
+from tokenmill.replicas.wire import encode_frame, read_frame
 
-log = logging.getLogger("tokenmill.gateway.process")
+log = logging.getLogger("tokenmill.replicas.process")
 
 
 class SocketChannel:
-    """The gateway's end of a stream socket carrying :mod:`tokenmill.gateway.wire`'s
+    """The gateway's end of a stream socket carrying :mod:`tokenmill.replicas.wire`'s
     length-prefixed frames: what a process replica (its socket pair) and a Ray replica
-    (its TCP connection, :mod:`tokenmill.gateway.rayhost`) share. End of stream, or the
+    (its TCP connection, :mod:`tokenmill.replicas.rayactor`) share. End of stream, or the
     socket closed here (``close_socket``), reads as None."""
 
     same_clock = False  # see Channel.same_clock
@@ -106,7 +106,7 @@ class ProcessLauncher:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "tokenmill.gateway.runner",
+                "tokenmill.replicas.runner",
                 "--fd",
                 str(child_sock.fileno()),
                 "--section",

@@ -1,35 +1,14 @@
-"""Replica hosts: where a replica's engine runs, behind one interface the gateway drives.
+"""A replica in the gateway's own process (``placement = "local"``).
 
-A deployment's replica is a :class:`ReplicaHost`. The gateway admits, holds credit,
-routes, streams, cancels and settles the same way whichever host it is:
-
-* :class:`LocalHost`: the engine in the gateway's own process (``placement =
-  "local"``: embedding tokenmill, the benchmark's ceiling);
-* :class:`~tokenmill.gateway.supervised.SupervisedHost` over a child process
-  (``placement = "process"``, the default: a crash in native code takes down one
-  replica, not the gateway) or over a Ray actor (``placement = "ray"``: a replica on
-  any node of a Ray cluster). The supervised host restarts a replica that died or
-  hangs; what carries its frames is the only difference between the two.
-
-A host has one state, and it alone says whether the replica serves: ``ready``
-serves; ``unloaded`` and ``loading`` count toward the deployment's capacity (an
-idle replica loads on its first request); ``restarting`` (died, coming back) and
-``unhealthy`` (failed, not coming back by itself) do not, so while no replica is
-ready requests wait in the deployment's queue.
-
-Requests keep the engine contract (:mod:`tokenmill.engines.base`): ``generate``
-returns a :class:`~tokenmill.engines.chunks.ChunkStream` ending in exactly one final
-item, ``cancel`` is fire-and-forget and ends the stream with the tokens produced.
-Embeddings keep :mod:`tokenmill.engines.embeddings`' (``prepare_embeddings``, then
-``embed``); a host whose engine cannot embed refuses with a 400 naming ``model``.
+No crash isolation and no restart: a failed engine leaves the replica ``unhealthy``.
+For embedding tokenmill in a program, and as the benchmark's ceiling (no frames to
+carry).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
 
 from tokenmill import stages
 from tokenmill.engines.base import (
@@ -52,83 +31,7 @@ from tokenmill.engines.embeddings import (
 )
 from tokenmill.errors import InvalidRequestError
 from tokenmill.kvblocks import CacheEvent
-
-ReplicaState = Literal["unloaded", "loading", "ready", "restarting", "unhealthy"]
-# States that count toward a deployment's capacity (see the module docstring).
-ADMITTING: frozenset[ReplicaState] = frozenset({"unloaded", "loading", "ready"})
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaLocation:
-    """Where a replica runs now: its process, and its Ray node and actor when on Ray."""
-
-    pid: int | None = None
-    node_id: str | None = None
-    node_address: str | None = None
-    actor_id: str | None = None
-
-
-@runtime_checkable
-class ReplicaHost(Protocol):
-    """One replica of a deployment, wherever it runs. See the module docstring."""
-
-    kind: str  # "local", "process" or "ray"
-
-    @property
-    def state(self) -> ReplicaState: ...
-
-    @property
-    def restarts(self) -> int:
-        """Times the replica was restarted after dying or hanging."""
-        ...
-
-    def location(self) -> ReplicaLocation: ...
-
-    def on_change(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on the event loop) whenever ``state`` changes."""
-
-    def on_cache(self, callback: Callable[[CacheEvent], None]) -> None:
-        """Call ``callback`` (on the event loop) with what the replica's KV cache holds
-        (:mod:`tokenmill.kvblocks`): a snapshot whenever it (re)starts, then each
-        change. Never called for a replica whose engine publishes no cache."""
-
-    async def start(self) -> None:
-        """Load the replica; raise (and be ``unhealthy``) if it cannot. Idempotent."""
-
-    async def close(self) -> None:
-        """Stop the replica; open streams end with an error. State ``unloaded``."""
-
-    async def reserve(self, request_id: str, weight: int) -> None:
-        """Claim ``weight`` slots for a request about to run here. Only a replica shared
-        with other gateways (a pool's) keeps its own count and may refuse, with
-        :class:`~tokenmill.errors.ReplicaFullError`; ``cancel`` gives back a claim that
-        no ``generate`` followed."""
-
-    async def prepare(self, request: GenerationRequest) -> PromptInfo: ...
-
-    def generate(self, request: GenerationRequest) -> ChunkStream: ...
-
-    def cancel(self, request_id: str) -> None: ...
-
-    async def tokenize(self, request: TokenizeRequest) -> list[int]: ...
-
-    async def detokenize(self, tokens: Sequence[int]) -> str: ...
-
-    def context_length(self) -> int: ...
-
-    async def tokenizer_info(self) -> TokenizerInfo:
-        """The engine's tokenizer: special tokens, chat template, context length."""
-        ...
-
-    async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
-        """Tokenize and check the inputs: their token count, billed as prompt tokens."""
-        ...
-
-    async def embed(self, request: EmbeddingRequest) -> Embeddings:
-        """One unit-length vector per input (after ``prepare_embeddings``)."""
-        ...
-
-    def health(self) -> EngineHealth: ...
+from tokenmill.replicas.host import ReplicaLocation, ReplicaState
 
 
 class LocalHost:
@@ -162,6 +65,11 @@ class LocalHost:
 
     def on_cache(self, callback: Callable[[CacheEvent], None]) -> None:
         self._cache_callbacks.append(callback)
+
+    def on_status(self, callback: Callable[[], None]) -> None:
+        # Never called: this replica is this gateway's alone, so the deployment counts
+        # its slots itself and never waits for it to report a free one.
+        pass
 
     def _publish(self) -> None:
         """Have the engine report its cache to the callbacks, from any of its threads."""
@@ -252,4 +160,4 @@ class LocalHost:
         return self.engine.health()
 
 
-__all__ = ["ADMITTING", "LocalHost", "ReplicaHost", "ReplicaLocation", "ReplicaState"]
+__all__ = ["LocalHost"]

@@ -44,7 +44,7 @@ import numpy as np
 
 from tokenmill.engines.base import Prepared
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
-from tokenmill.engines.vocab import Vocab
+from tokenmill.engines.llamacpp.vocab import Vocab
 from tokenmill.errors import ContextLengthError, EngineError, InvalidRequestError
 
 log = logging.getLogger("tokenmill.engines.embeddings")
