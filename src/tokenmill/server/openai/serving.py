@@ -25,7 +25,7 @@ from tokenmill.engines.base import PromptItem, TokenLogprob, Usage
 from tokenmill.errors import TokenmillError
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
-from tokenmill.gateway.metering import Caller
+from tokenmill.identity import Caller
 from tokenmill.server.openai.protocol import Message, SamplingFields
 from tokenmill.server.openai.tools import ToolFields, tool_choice
 from tokenmill.server.sse import DONE, encode_event
