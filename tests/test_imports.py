@@ -48,3 +48,22 @@ def test_the_generation_core_imports_no_web_framework_nor_server() -> None:
     above = {m for m in loaded if m.split(".")[0] in ("fastapi", "starlette", "uvicorn")}
     above |= {m for m in loaded if m.startswith("tokenmill.server")}
     assert not above, above
+
+
+LAYER_PROBE = """
+import json, sys
+import tokenmill.ledger.meter, tokenmill.ledger.sql, tokenmill.metering, tokenmill.identity
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_the_ledger_and_the_metering_contract_import_nothing_of_the_gateway() -> None:
+    # The ledger and the contract it implements stand below the gateway: it calls
+    # them, never the other way round.
+    out = subprocess.run(
+        [sys.executable, "-c", LAYER_PROBE], capture_output=True, text=True, check=True
+    ).stdout
+    loaded = set(json.loads(out))
+    assert "tokenmill.ledger.meter" in loaded
+    above = {m for m in loaded if m.startswith(("tokenmill.gateway", "tokenmill.server"))}
+    assert not above, above
