@@ -217,6 +217,7 @@ async def test_a_caller_gone_while_its_replica_loads_gives_back_the_permit(
     await dep.replicas[0].host.close()
     driver.hold_starts()
     hellos = driver.seen("hello")
+    task: asyncio.Task[object]
     if step == "prepare":
         task = asyncio.create_task(reservation.prepare())
     else:
