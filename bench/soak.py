@@ -43,7 +43,7 @@ import httpx
 from probes import HealthProbe, health_summary, memory_mb
 
 from tokenmill.config import Price
-from tokenmill.gateway.metering import cost
+from tokenmill.metering import cost
 
 ADMIN_KEY = "soak-admin-key"
 PRICE = Price(prompt_per_mtok=1_500_000, completion_per_mtok=3_000_000)

@@ -72,3 +72,22 @@ def test_replica_hosting_imports_neither_the_gateway_nor_the_server() -> None:
             found += [f"{path.name}: {n}" for n in names if n.startswith(above)]
     assert len(list(package.glob("*.py"))) > 10  # the package, not an empty folder
     assert not found, found
+
+
+LAYER_PROBE = """
+import json, sys
+import tokenmill.ledger.meter, tokenmill.ledger.sql, tokenmill.metering, tokenmill.identity
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_the_ledger_and_the_metering_contract_import_nothing_of_the_gateway() -> None:
+    # The ledger and the contract it implements stand below the gateway: it calls
+    # them, never the other way round.
+    out = subprocess.run(
+        [sys.executable, "-c", LAYER_PROBE], capture_output=True, text=True, check=True
+    ).stdout
+    loaded = set(json.loads(out))
+    assert "tokenmill.ledger.meter" in loaded
+    above = {m for m in loaded if m.startswith(("tokenmill.gateway", "tokenmill.server"))}
+    assert not above, above

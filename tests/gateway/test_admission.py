@@ -15,7 +15,7 @@ import pytest
 from tests.waiting import HANG_S, wait_until_async
 from tokenmill.errors import OverloadedError
 from tokenmill.gateway.admission import Admission
-from tokenmill.gateway.fairqueue import Tenant
+from tokenmill.identity import Tenant
 
 
 async def queued(admission: Admission, n: int) -> None:

@@ -8,13 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.gateway.fairqueue import (
-    FairQueue,
-    Priority,
-    Tenant,
-    capped,
-    requested_priority,
-)
+from tokenmill.gateway.fairqueue import FairQueue, requested_priority
+from tokenmill.identity import Priority, Tenant, capped
 
 A = Tenant("a")
 B = Tenant("b")

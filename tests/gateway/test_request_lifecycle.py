@@ -21,7 +21,7 @@ from tests.ledger.helpers import receipt
 from tests.sse import DONE, Event, events, text
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import Price
-from tokenmill.gateway.metering import cost
+from tokenmill.metering import cost
 
 PRICE = Price(prompt_per_mtok=2_000_000, completion_per_mtok=5_000_000)
 PRICED = f"""

@@ -9,7 +9,7 @@ import psycopg
 
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import Price
-from tokenmill.gateway.metering import cost
+from tokenmill.metering import cost
 
 ADMIN_KEY = "admin-secret-for-tests"
 PRICE = Price(prompt_per_mtok=1_500_000, completion_per_mtok=3_000_000)

@@ -33,7 +33,7 @@ from tests.ledger.helpers import (
 from tests.server.test_bad_input import assert_error
 from tests.sse import events, to_done
 from tests.waiting import wait_until
-from tokenmill.gateway.metering import cost
+from tokenmill.metering import cost
 
 SLOTS = 4
 CONFIG = f"""

@@ -32,7 +32,7 @@ from tests.ledger.helpers import (
     user,
 )
 from tests.server.test_bad_input import assert_error
-from tokenmill.gateway.metering import cost
+from tokenmill.metering import cost
 
 NOWHERE = "http://127.0.0.1:9/v1"
 CONFIG = f"""

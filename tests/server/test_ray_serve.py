@@ -43,7 +43,7 @@ from tests.ledger.helpers import (
 from tests.sse import DONE, events, text
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import ConfigError, Price, load_settings
-from tokenmill.gateway.metering import cost
+from tokenmill.metering import cost
 
 PROMPT = "Tell a long story."  # 4 words: 4 prompt tokens for the scripted engine
 PRICE = Price(prompt_per_mtok=1_000_000, completion_per_mtok=3_000_000)

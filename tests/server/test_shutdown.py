@@ -23,7 +23,7 @@ from tests.driver import EngineDriver, scripted_deployment
 from tests.sse import DONE, Event, events, text
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import Price
-from tokenmill.gateway.metering import cost
+from tokenmill.metering import cost
 
 ADMIN_KEY = "admin-key-for-the-shutdown-tests"
 PRICE = Price(prompt_per_mtok=1_000_000, completion_per_mtok=2_000_000)

@@ -30,7 +30,7 @@ from tokenmill.chat.tools import plain, plan_tools, template_needed
 from tokenmill.engines.base import ChatMessage, GenerationRequest, TokenLogprob, ToolCall, Usage
 from tokenmill.gateway.core import Gateway, RequestStream
 from tokenmill.gateway.deployment import Deployment
-from tokenmill.gateway.metering import Caller
+from tokenmill.identity import Caller
 
 __all__ = ["Generation", "count_prompt", "open_generation"]
 

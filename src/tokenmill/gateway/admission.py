@@ -33,7 +33,8 @@ import time
 
 from tokenmill.config import DEFAULT_PROMOTE_AFTER_S
 from tokenmill.errors import OverloadedError, UnavailableError
-from tokenmill.gateway.fairqueue import AccountView, Entry, FairQueue, Tenant
+from tokenmill.gateway.fairqueue import AccountView, Entry, FairQueue
+from tokenmill.identity import Tenant
 
 ANYONE = Tenant()
 # Requests an account at its max_concurrent may keep waiting, per stream it may run:

@@ -7,7 +7,10 @@ works on the prompt while the response head is written. The stream is the one pl
 where cancellation and the books meet: however it ends (finished, stop string, client
 gone, replica crash), its ``aclose`` aborts the engine request, returns the replica's
 slot and the admission permit, settles the hold exactly once, and writes one log line.
-While it runs, it counts the tokens it delivered, which the gateway's progress task
+What it holds, and how each was taken and is given back, is the request's
+:class:`~tokenmill.gateway.reservation.Reservation` (before it streams) and then its
+:class:`~tokenmill.gateway.reservation.Books` (the stream's own). While it runs, it
+counts the tokens it delivered, which the gateway's progress task
 (:mod:`tokenmill.gateway.progress`) records with the meter about once a second.
 """
 
@@ -15,11 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 from tokenmill import stages
 from tokenmill.config import Settings
@@ -27,41 +29,38 @@ from tokenmill.engines.base import Chunk, GenerationRequest, Usage
 from tokenmill.engines.chunks import ChunkStream
 from tokenmill.errors import (
     EngineError,
-    InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
     TokenmillError,
     UnavailableError,
 )
-from tokenmill.gateway.deployment import Deployment, Replica
-from tokenmill.gateway.metering import (
-    ANONYMOUS,
-    Caller,
-    FreeMeter,
-    HoldRequest,
-    Meter,
-    Progress,
-    Settlement,
-    cost,
-)
+from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.progress import record_progress
 from tokenmill.gateway.records import (
     Observer,
     RequestRecord,
-    log_record,
+    finished,
     new_request_id,
 )
-from tokenmill.gateway.routing import RouteQuery
+from tokenmill.gateway.reservation import Books, Reservation, shielded
+from tokenmill.identity import ANONYMOUS, Caller
+from tokenmill.metering import FreeMeter, Meter, Progress
 
 log = logging.getLogger("tokenmill.requests")
-__all__ = ["Gateway", "Observer", "RequestRecord", "RequestStream", "new_request_id"]
+__all__ = [
+    "Gateway",
+    "Observer",
+    "OpenStreams",
+    "RequestRecord",
+    "RequestStream",
+    "new_request_id",
+]
 # A cancelled request's final chunk (its exact token count) comes within a decode
 # step, however slow the machine; a replica that dies or hangs ends the stream with
 # an error (its host's probe kills a wedged one). So this is only a last resort:
 # until then the bill waits for the replica's count, and nothing goes unbilled. (10 s
 # was seen to run out on a machine at load 20, billing one token short.)
 CANCEL_WAIT_S = 300.0
-T = TypeVar("T")
 
 
 class RequestStream:
@@ -69,19 +68,19 @@ class RequestStream:
 
     def __init__(
         self,
-        gateway: Gateway,
-        deployment: Deployment,
-        replica: Replica,
+        books: Books,
         request: GenerationRequest,
-        hold: HoldRequest,
         record: RequestRecord,
+        observers: Sequence[Observer],
+        streams: OpenStreams,
     ) -> None:
-        self._gateway = gateway
-        self.deployment = deployment
-        self._replica = replica
+        self._books = books
+        self.deployment = books.deployment
+        self._replica = books.replica
         self.request = request
-        self._hold = hold
         self.record = record
+        self._observers = observers
+        self._streams = streams
         self._engine_stream: ChunkStream | None = None
         self._closing: asyncio.Task[None] | None = None
         self.usage: Usage | None = None
@@ -109,9 +108,7 @@ class RequestStream:
         delivered = self.delivered
         if delivered == self._recorded:
             return None
-        price = self.deployment.config.price
-        charged = min(self._hold.amount, cost(price, self.record.prompt_tokens, delivered))
-        return Progress(self.request_id, delivered, charged)
+        return self._books.progress(self.record.prompt_tokens, delivered)
 
     def recorded(self, progress: Progress) -> None:
         self._recorded = progress.completion_tokens
@@ -126,7 +123,7 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         rec = self.record
-        observers = self._gateway.observers
+        observers = self._observers
         try:
             stream = self.start()
             async for chunk in stream:
@@ -224,7 +221,7 @@ class RequestStream:
             rec.status = "cancelled"
         self._count_service()  # before its slots go to the next account
         # Capacity first: the slot and the permit return before any slow bookkeeping.
-        self._gateway._release(self.deployment, self._replica, rec, self.request.choices)
+        self._books.release_capacity(rec)
         self._measure()
         try:
             if stream is not None:
@@ -234,7 +231,7 @@ class RequestStream:
                     # stream's final chunk (or the replica's death) says; a reader
                     # still on the stream gets it too.
                     stream.cancel()
-                    if not await _shielded(stream.wait_end(CANCEL_WAIT_S)):
+                    if not await shielded(stream.wait_end(CANCEL_WAIT_S)):
                         log.error(
                             "request %s did not stop within %ss", self.request_id, CANCEL_WAIT_S
                         )
@@ -242,9 +239,10 @@ class RequestStream:
                 self._count_service()  # the last step's, if the account still runs
         finally:
             try:
-                await self._gateway._settle(self._hold, rec)
+                await self._books.settle(rec)
             finally:
-                self._gateway._open.discard(self)
+                finished(rec, self._observers)
+                self._streams.discard(self)
 
     def _measure(self) -> None:
         """Feed the replica's speeds with this stream's, if it ran whole and alone
@@ -267,14 +265,27 @@ class RequestStream:
         )
 
 
-async def _shielded(aw: Awaitable[T]) -> T:
-    """Run ``aw`` to completion even if the caller is cancelled meanwhile."""
-    task = asyncio.ensure_future(aw)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        await task
-        raise
+class OpenStreams:
+    """The streams open on a gateway, each from its start until it is settled: what a
+    drain waits for, and what the progress task records."""
+
+    def __init__(self) -> None:
+        self._streams: set[RequestStream] = set()
+
+    def add(self, stream: RequestStream) -> None:
+        self._streams.add(stream)
+
+    def discard(self, stream: RequestStream) -> None:
+        self._streams.discard(stream)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def __iter__(self) -> Iterator[RequestStream]:
+        return iter(self._streams)
+
+    def __contains__(self, stream: object) -> bool:
+        return stream in self._streams
 
 
 class Gateway:
@@ -289,20 +300,13 @@ class Gateway:
         # Set at shutdown: no request is admitted any more (503), open ones may finish.
         self.draining = False
         self._drain_deadline: float | None = None
-        self._open: set[RequestStream] = set()
-        self.records: dict[str, RequestRecord] = {}
+        self.streams = OpenStreams()
         self._progress: asyncio.Task[None] | None = None
-
-    @classmethod
-    def from_deployments(cls, settings: Settings, deployments: list[Deployment]) -> Gateway:
-        gw = cls(settings.model_copy(update={"deployments": []}))
-        gw.deployments = {d.id: d for d in deployments}
-        return gw
 
     async def start(self) -> None:
         if self._progress is None:
             self._progress = asyncio.create_task(
-                record_progress(self.meter, lambda: self._open), name="progress"
+                record_progress(self.meter, self.streams), name="progress"
             )
         await asyncio.gather(*(d.start() for d in self.deployments.values()))
         self.ready = True
@@ -318,9 +322,9 @@ class Gateway:
             deadline = min(deadline, self._drain_deadline)
         self._drain_deadline = deadline
         # _drain_deadline is re-read: end_drain() may cut it short.
-        while self._open and time.monotonic() < self._drain_deadline:  # noqa: ASYNC110
+        while self.streams and time.monotonic() < self._drain_deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
-        left = list(self._open)
+        left = list(self.streams)
         if left:
             log.warning("aborting %d open request(s) after the %gs drain", len(left), drain_s)
         for stream in left:
@@ -380,78 +384,22 @@ class Gateway:
         marks = stages.current()
         if marks is not None:  # the HTTP request's, with its marks so far
             record.marks = marks
-        else:
-            marks = record.marks
+        reservation = Reservation(deployment, request, record, self.meter)
         try:
             self.check_admits(caller, "generate")
-            weight = request.choices
-            if weight > deployment.config.max_num_seqs:
-                raise InvalidRequestError(
-                    f"the request asks for {weight} choices (n times the prompts); a replica "
-                    f"of {deployment.id!r} generates at most {deployment.config.max_num_seqs} "
-                    "at once",
-                    param="n",
-                )
-            queue_s = await deployment.admission.acquire(weight, caller.tenant())
+            await reservation.admit()
+            info = await reservation.prepare()
+            await reservation.place(info, session)
+            await reservation.hold(info)
         except BaseException as e:
-            self._refused(record, e)
-            raise
-        marks["admitted"] = time.monotonic()
-        record.queue_s = queue_s
-        replica: Replica | None = None
-        hold: HoldRequest | None = None
-        try:
-            deployment.preparing += 1
             try:
-                preparer = await deployment.any_host()
-                info = await preparer.prepare(request)
+                await reservation.release()
             finally:
-                deployment.preparing -= 1
-            marks["prepared"] = time.monotonic()
-            record.prompt_tokens = info.prompt_tokens
-            deployment.admission.serve(caller.account_id, info.prompt_tokens)
-            prompt = info.tokens[0] if info.tokens else ()
-            query = RouteQuery(
-                info.prompt_tokens, weight, request.sampling.max_tokens, session=session
-            )
-            replica, record.route = await deployment.place(request.request_id, query, prompt)
-            if replica.host is not preparer and info.tokens is not None:
-                request = dataclasses.replace(request, tokenized=info.tokens)
-            max_tokens = request.sampling.max_tokens
-            if max_tokens <= 0:  # not given: the rest of the context window
-                longest = info.longest_prompt or info.prompt_tokens
-                max_tokens = info.context_length - longest
-                request = dataclasses.replace(
-                    request, sampling=dataclasses.replace(request.sampling, max_tokens=max_tokens)
-                )
-            hold = HoldRequest(
-                request_id=request.request_id,
-                caller=caller,
-                deployment=deployment.id,
-                prompt_tokens=info.prompt_tokens,
-                # Every choice may run to max_tokens: the hold covers them all.
-                max_tokens=max_tokens * weight,
-                amount=cost(deployment.config.price, info.prompt_tokens, max_tokens * weight),
-            )
-            try:
-                # A hold half-written when the caller gives up (a client leaving a
-                # stream that waited behind keep-alive pings) would stay open until the
-                # sweeper: it is written whole, then released unbilled below.
-                await _shielded(self.meter.hold(hold))
-            except asyncio.CancelledError:
-                unserved = Settlement(hold.request_id, hold.prompt_tokens, 0, "abort", 0)
-                await _shielded(self.meter.settle(hold, unserved))
-                raise
-            marks["held"] = time.monotonic()
-        except BaseException as e:
-            if replica is not None:
-                replica.host.cancel(request.request_id)  # a pool's replica holds slots
-                deployment.release(replica, weight)
-            deployment.admission.release(weight=weight, account=caller.account_id)
-            self._refused(record, e)
+                self.refused(record, e)
             raise
-        stream = RequestStream(self, deployment, replica, request, hold, record)
-        self._open.add(stream)
+        books = reservation.books()
+        stream = RequestStream(books, reservation.request, record, self.observers, self.streams)
+        self.streams.add(stream)
         for o in self.observers:
             o.on_start(record)
         try:
@@ -482,51 +430,13 @@ class Gateway:
                 "account's API key (POST /admin/keys)"
             )
 
-    def _refused(self, record: RequestRecord, e: BaseException) -> None:
+    def refused(self, record: RequestRecord, e: BaseException) -> None:
+        """Record a request refused before it streamed (it was never started)."""
         record.status = "rejected"
         record.error_code = getattr(e, "code", None)
         # Refusals (429, no credit) are what error metrics are for: observers see
         # them via on_finish with status "rejected" (on_start was never called).
-        for o in self.observers:
-            o.on_finish(record)
-        log_record(record)
-
-    def _release(
-        self, deployment: Deployment, replica: Replica, record: RequestRecord, weight: int
-    ) -> None:
-        deployment.release(replica, weight)
-        held_s = time.monotonic() - record.started - record.queue_s
-        deployment.admission.release(held_s, weight, record.caller.account_id)
-
-    async def _settle(self, hold: HoldRequest, record: RequestRecord) -> None:
-        record.duration_s = time.monotonic() - record.started
-        settlement = Settlement(
-            request_id=record.request_id,
-            prompt_tokens=record.prompt_tokens,
-            completion_tokens=record.completion_tokens,
-            finish_reason=record.finish_reason,
-            charged=min(
-                hold.amount,
-                cost(
-                    self.deployments[record.deployment].config.price
-                    if record.deployment in self.deployments
-                    else None,
-                    record.prompt_tokens,
-                    record.completion_tokens,
-                ),
-            ),
-        )
-        record.charged = settlement.charged
-        # Settling must survive the caller's cancellation: no token goes unbilled.
-        try:
-            await _shielded(self.meter.settle(hold, settlement))
-        finally:
-            self.records[record.request_id] = record
-            if len(self.records) > 10_000:
-                self.records.pop(next(iter(self.records)))
-            for o in self.observers:
-                o.on_finish(record)
-            log_record(record)
+        finished(record, self.observers)
 
     def stats(self) -> dict[str, Any]:
         return {d.id: d.describe() for d in self.deployments.values()}

@@ -20,7 +20,10 @@ from tokenmill.engines.embeddings import EmbeddingRequest, Embeddings
 from tokenmill.errors import EngineError, TokenmillError
 from tokenmill.gateway.core import Gateway, RequestRecord
 from tokenmill.gateway.deployment import Deployment, Replica
-from tokenmill.gateway.metering import ANONYMOUS, Caller, HoldRequest, cost
+from tokenmill.gateway.records import finished
+from tokenmill.gateway.reservation import Books
+from tokenmill.identity import ANONYMOUS, Caller
+from tokenmill.metering import HoldRequest, cost
 
 
 async def embed(
@@ -35,7 +38,7 @@ async def embed(
         gateway.check_admits(caller, "embed")
         record.queue_s = await deployment.admission.acquire(1, caller.tenant())
     except BaseException as e:
-        gateway._refused(record, e)
+        gateway.refused(record, e)
         raise
     replica: Replica | None = None
     try:
@@ -54,8 +57,9 @@ async def embed(
         await gateway.meter.hold(hold)
     except BaseException as e:
         _release(deployment, replica, record)
-        gateway._refused(record, e)
+        gateway.refused(record, e)
         raise
+    books = Books(deployment, replica, 1, hold, gateway.meter)
     for o in gateway.observers:
         o.on_start(record)
     try:
@@ -76,13 +80,17 @@ async def embed(
         record.error_code = "engine_error"
         raise EngineError(f"the replica failed: {type(e).__name__}") from e
     finally:
-        _release(deployment, replica, record)
-        # Settling survives the caller's cancellation (it is shielded in _settle).
-        await asyncio.shield(gateway._settle(hold, record))
+        books.release_capacity(record)
+        try:
+            # Settling survives the caller's cancellation (it is shielded in settle).
+            await asyncio.shield(books.settle(record))
+        finally:
+            finished(record, gateway.observers)
 
 
 def _release(deployment: Deployment, replica: Replica | None, record: RequestRecord) -> None:
-    """The replica's routing count and the admission permit go back."""
+    """The replica's routing count and the admission permit go back (refused before
+    its books were opened)."""
     if replica is not None:
         deployment.release(replica)
     held_s = time.monotonic() - record.started - record.queue_s

@@ -40,17 +40,14 @@ import collections
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar, get_args
+from typing import Generic, TypeVar
 
 from tokenmill.config import DEFAULT_PROMOTE_AFTER_S
 from tokenmill.errors import InvalidRequestError
+from tokenmill.identity import PRIORITIES, Priority, Tenant, rank
 
 T = TypeVar("T")
 
-Priority = Literal["batch", "default", "interactive"]
-# Lowest first: a class's rank is its index.
-PRIORITIES: tuple[Priority, ...] = get_args(Priority)
-DEFAULT_PRIORITY: Priority = "default"
 # What an account's virtual counter is charged per token: VTC's weights. Equal, as
 # the tokens are billed: fair share follows the bill.
 PROMPT_TOKEN_COST = 1.0
@@ -67,10 +64,6 @@ SERVICE_TIERS: dict[str, Priority | None] = {
     "priority": "interactive",
     "scale": "interactive",
 }
-
-
-def rank(priority: Priority) -> int:
-    return PRIORITIES.index(priority)
 
 
 def requested_priority(priority: int | str | None, service_tier: str | None) -> Priority | None:
@@ -103,23 +96,6 @@ def requested_priority(priority: int | str | None, service_tier: str | None) -> 
             )
         return SERVICE_TIERS[service_tier]
     return None
-
-
-def capped(asked: Priority | None, own: Priority, cap: Priority) -> Priority:
-    """The class a request runs in: what it asked for (else ``own``), at most ``cap``."""
-    wanted = own if asked is None else asked
-    return wanted if rank(wanted) <= rank(cap) else cap
-
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    """Whom a request is served for, and how: its account's share and its class."""
-
-    account: str = "anonymous"
-    weight: float = 1.0
-    priority: Priority = DEFAULT_PRIORITY
-    # Streams this account may run at once on the deployment; None: no cap.
-    max_concurrent: int | None = None
 
 
 @dataclass(eq=False, slots=True)

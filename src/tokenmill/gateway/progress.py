@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Protocol
 
-from tokenmill.gateway.metering import Meter, Progress
+from tokenmill.metering import Meter, Progress
 
 log = logging.getLogger("tokenmill.ledger")
 
@@ -53,9 +53,10 @@ async def record_once(meter: Meter, streams: Collection[Tracked]) -> int:
 
 
 async def record_progress(
-    meter: Meter, streams: Callable[[], Collection[Tracked]], interval_s: float = PROGRESS_S
+    meter: Meter, streams: Collection[Tracked], interval_s: float = PROGRESS_S
 ) -> None:
-    """Forever: every ``interval_s``, :func:`record_once` the open ``streams()``."""
+    """Forever: every ``interval_s``, :func:`record_once` the ``streams`` open then
+    (a live collection: the gateway's :class:`~tokenmill.gateway.core.OpenStreams`)."""
     while True:
         await asyncio.sleep(interval_s)
-        await record_once(meter, streams())
+        await record_once(meter, streams)

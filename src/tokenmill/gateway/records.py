@@ -7,12 +7,13 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenmill import stages
-from tokenmill.gateway.metering import Caller
 from tokenmill.gateway.routing import Decision
+from tokenmill.identity import Caller
 from tokenmill.kvblocks import BLOCK_TOKENS
 
 log = logging.getLogger("tokenmill.requests")
@@ -53,6 +54,14 @@ class Observer(Protocol):
     def on_start(self, record: RequestRecord) -> None: ...
     def on_tokens(self, record: RequestRecord, now: float) -> None: ...
     def on_finish(self, record: RequestRecord) -> None: ...
+
+
+def finished(record: RequestRecord, observers: Iterable[Observer]) -> None:
+    """The request ended, or was refused: its observers hear of it, and its log line
+    is written."""
+    for o in observers:
+        o.on_finish(record)
+    log_record(record)
 
 
 def log_record(record: RequestRecord) -> None:

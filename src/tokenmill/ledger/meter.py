@@ -1,4 +1,4 @@
-"""The gateway's :class:`~tokenmill.gateway.metering.Meter`, backed by the ledger.
+"""The gateway's :class:`~tokenmill.metering.Meter`, backed by the ledger.
 
 Besides holding and settling, it records how far open streams got, keeps this
 gateway alive in the ledger (a heartbeat) and sweeps the holds of gateways that
@@ -14,9 +14,9 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from tokenmill.config import Price
-from tokenmill.gateway.metering import HoldRequest, Progress, Settlement, cost
 from tokenmill.ledger.base import HoldProgress, HoldSpec
 from tokenmill.ledger.sql import SqlLedger
+from tokenmill.metering import HoldRequest, Progress, Settlement, cost
 
 log = logging.getLogger("tokenmill.ledger")
 

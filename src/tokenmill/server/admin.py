@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.errors import NotFoundError
-from tokenmill.gateway.metering import Caller
+from tokenmill.identity import Caller
 from tokenmill.ledger.base import KEEP, MAX_WEIGHT, KeyInfo, KeyPriority, Receipt
 from tokenmill.ledger.base import Account as LedgerAccount
 from tokenmill.ledger.sql import SqlLedger

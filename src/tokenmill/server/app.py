@@ -29,7 +29,7 @@ from tokenmill import stages
 from tokenmill.config import Settings
 from tokenmill.errors import NotFoundError, TokenmillError
 from tokenmill.gateway.core import Gateway, new_request_id
-from tokenmill.gateway.metering import ANONYMOUS
+from tokenmill.identity import ANONYMOUS
 from tokenmill.ledger import build_ledger
 from tokenmill.ledger.meter import LedgerMeter
 from tokenmill.ledger.responses import ResponseStore

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill import stages
 from tokenmill.errors import AuthenticationError, PermissionDeniedError, TokenmillError
-from tokenmill.gateway.metering import ANONYMOUS, Caller
+from tokenmill.identity import ANONYMOUS, Caller
 from tokenmill.ledger.base import ANONYMOUS_ACCOUNT, KeyInfo, hash_key
 from tokenmill.ledger.sql import SqlLedger
 from tokenmill.server.errors import error_response

@@ -32,7 +32,7 @@ from tokenmill.engines.base import SamplingParams, ToolCall
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
-from tokenmill.gateway.metering import Caller
+from tokenmill.identity import Caller
 from tokenmill.server.messages.events import MessageEncoder
 from tokenmill.server.messages.protocol import (
     CountTokensRequest,

@@ -21,7 +21,7 @@ from tokenmill.engines.embeddings import EmbeddingInput, EmbeddingRequest, Embed
 from tokenmill.gateway import embeddings as gateway_embeddings
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
-from tokenmill.gateway.metering import Caller
+from tokenmill.identity import Caller
 from tokenmill.server.protocol import TokenId, _integral
 
 # OpenAI's limit on inputs per request.

@@ -20,7 +20,7 @@ from tokenmill.engines.base import PromptItem
 from tokenmill.errors import TokenmillError
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
-from tokenmill.gateway.metering import Caller
+from tokenmill.identity import Caller
 from tokenmill.server.openai.events import ChatEncoder, CompletionEncoder
 from tokenmill.server.openai.protocol import Message, SamplingFields
 from tokenmill.server.openai.tools import ToolFields, tool_choice

@@ -25,7 +25,7 @@ from tokenmill.engines.base import SamplingParams
 from tokenmill.errors import InvalidRequestError, NotFoundError, TokenmillError
 from tokenmill.gateway.core import Gateway
 from tokenmill.gateway.deployment import Deployment
-from tokenmill.gateway.metering import Caller
+from tokenmill.identity import Caller
 from tokenmill.ledger.responses import ResponseStore
 from tokenmill.server.responses.events import ResponseEncoder
 from tokenmill.server.responses.items import new_id, output_items, stored_items, turns

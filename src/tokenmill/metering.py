@@ -1,51 +1,25 @@
-"""The interface between a stream and the books.
+"""The contract between a stream and the books.
 
 The gateway calls :meth:`Meter.hold` once before any token is generated (priced on
 the prompt plus ``max_tokens``) and :meth:`Meter.settle` exactly once when the stream
 ends for any reason, with the tokens actually produced. Meanwhile it reports each
 open stream's progress (:meth:`Meter.record_progress`, about once a second), so that
 if the gateway dies the tokens already delivered are still billed. The ledger package
-provides the real implementation; :class:`FreeMeter` is used when metering is off.
+provides the real implementation (:class:`tokenmill.ledger.meter.LedgerMeter`);
+:class:`FreeMeter` is used when metering is off.
+
+It stands below the gateway and the ledger, which both implement or call it: it must
+import neither.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from tokenmill.config import Price
-from tokenmill.gateway.fairqueue import DEFAULT_PRIORITY, Priority, Tenant, capped
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """Who is asking: resolved by the server's auth from the API key.
-
-    The scheduling fields come from the ledger (docs/fairness.md): the account's
-    ``weight`` and ``max_concurrent``, and the key's class, which is both the class of
-    its requests (``priority``, until a request asks for another) and the highest
-    one they may ask for (``max_priority``).
-    """
-
-    account_id: str
-    key_id: str | None = None
-    is_admin: bool = False
-    weight: float = 1.0
-    max_concurrent: int | None = None
-    priority: Priority = DEFAULT_PRIORITY
-    max_priority: Priority = "interactive"
-
-    def asking(self, priority: Priority | None) -> Caller:
-        """This caller for a request that asks for ``priority`` (None: the key's own)."""
-        return replace(self, priority=capped(priority, self.priority, self.max_priority))
-
-    def tenant(self) -> Tenant:
-        """Whom admission serves this request for."""
-        return Tenant(self.account_id, self.weight, self.priority, self.max_concurrent)
-
-
-ANONYMOUS = Caller(account_id="anonymous")
+from tokenmill.identity import Caller
 
 
 def cost(price: Price | None, prompt_tokens: int, completion_tokens: int) -> int:
