@@ -30,7 +30,6 @@ import pytest
 
 from tests.conftest import RayCluster, ServerProcess, launch
 from tests.driver import EngineDriver, scripted_deployment
-from tests.ledger.conftest import pg_schema
 from tests.ledger.helpers import (
     ADMIN_KEY,
     account,
@@ -40,6 +39,7 @@ from tests.ledger.helpers import (
     receipt,
     recorded_progress,
 )
+from tests.postgres import pg_schema
 from tests.sse import DONE, events, text
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import ConfigError, Price, load_settings
@@ -61,9 +61,9 @@ def body(max_tokens: int, stream: bool = True) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pg_schema_url() -> Iterator[str]:
+def pg_schema_url(postgres: str) -> Iterator[str]:
     """A PostgreSQL schema of this module's own."""
-    with pg_schema() as url:
+    with pg_schema(postgres) as url:
         yield url
 
 
