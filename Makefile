@@ -34,6 +34,11 @@ serve: install
 test: install $(LLAMA_SERVER)
 	# The playground tests drive Debian's chromium (Playwright's browser download fails here).
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+	# The ledger tests start a PostgreSQL cluster of their own (tests/postgres.py) unless
+	# TOKENMILL_TEST_POSTGRES_URL names a database; Debian keeps initdb off PATH.
+	test -n "$$TOKENMILL_TEST_POSTGRES_URL" || command -v initdb >/dev/null \
+		|| ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+		|| (apt-get update && apt-get install -y postgresql)
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 lint: install

@@ -3,6 +3,7 @@
 ``server`` is one gateway with the embedded SmolLM2 model, shared by the session.
 ``start_server`` starts others with a config file and environment of the test's own.
 ``ray_cluster`` is a Ray cluster on this machine for replicas placed on Ray.
+``postgres`` is a PostgreSQL database for the session (tests/postgres.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import httpx
 import pytest
 
 from tests.driver import EngineDriver
+from tests.postgres import URL_ENV, throwaway_cluster
 from tests.waiting import HANG_S, wait_until
 
 
@@ -214,3 +216,15 @@ def ray_cluster() -> Iterator[RayCluster]:
         yield RayCluster(cluster)
     finally:
         cluster.shutdown()  # type: ignore[no-untyped-call]
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[str]:
+    """A PostgreSQL database URL: ``TOKENMILL_TEST_POSTGRES_URL``'s, else that of a
+    throwaway cluster started for the session (only when a test asks for it)."""
+    given = os.environ.get(URL_ENV)
+    if given:
+        yield given
+        return
+    with throwaway_cluster(free_port()) as url:
+        yield url

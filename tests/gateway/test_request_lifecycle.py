@@ -21,7 +21,6 @@ from tests.ledger.helpers import receipt
 from tests.sse import DONE, Event, events, text
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import Price
-from tokenmill.metering import cost
 
 PRICE = Price(prompt_per_mtok=2_000_000, completion_per_mtok=5_000_000)
 PRICED = f"""
@@ -191,7 +190,7 @@ def test_cancellation_frees_the_slot_and_settles_the_tokens_emitted(
         got = receipt(c, "left")
         assert (got["prompt_tokens"], got["completion_tokens"]) == (4, 3)
         assert got["finish_reason"] == "abort"
-        assert got["charged"] == cost(PRICE, 4, 3) > 0
+        assert got["charged"] == 23  # 4 prompt tokens x 2 + 3 completion tokens x 5
         assert deployment(c)["in_flight"] == 0
         # The slot is free: with no queue, the next request is admitted, not refused.
         with ThreadPoolExecutor(1) as pool:
@@ -219,7 +218,7 @@ def test_a_failure_mid_stream_ends_it_with_an_error_event(
         assert "the model fell over" in errors[0]["error"]["message"]
         got = receipt(c, "doomed")
         assert (got["completion_tokens"], got["finish_reason"]) == (2, "error")
-        assert got["charged"] == cost(PRICE, 4, 2)
+        assert got["charged"] == 18  # 4 x 2 + 2 x 5
         assert deployment(c)["in_flight"] == 0
 
 
@@ -271,10 +270,11 @@ def test_a_crashed_replica_ends_its_streams_and_restarts(
             errors = [e for e in tail if isinstance(e, dict) and "error" in e]
             assert len(errors) == 1 and errors[0]["error"]["code"] == "engine_error", tail
         # Billed what the client was sent: the replica's own count died with it.
-        for rid, tokens in (("a", 1), ("b", 2)):
+        # 4 prompt tokens x 2 + 1 or 2 completion tokens x 5
+        for rid, tokens, charged in (("a", 1, 13), ("b", 2, 18)):
             got = receipt(c, rid)
             assert (got["completion_tokens"], got["finish_reason"]) == (tokens, "error")
-            assert got["charged"] == cost(PRICE, 4, tokens)
+            assert got["charged"] == charged
 
         # The supervisor starts a new process, which connects to the driver again.
         second_pid = driver.wait("hello", count=2)["pid"]

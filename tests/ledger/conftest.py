@@ -2,40 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from urllib.parse import quote
 
-import psycopg
 import pytest
 
+from tests.postgres import pg_schema
 from tokenmill.ledger import ledger_from_url
 from tokenmill.ledger.sql import Clock, SqlLedger
 
-PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
-
-
-@contextlib.contextmanager
-def pg_schema() -> Iterator[str]:
-    """A URL whose search_path is a fresh schema of its own (dropped after), so parallel
-    runs never clash."""
-    schema = f"tm_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_URL, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    try:
-        yield f"{PG_URL}?options={quote(f'-c search_path={schema}')}"
-    finally:
-        with psycopg.connect(PG_URL, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA {schema} CASCADE")
-
 
 @pytest.fixture
-def pg_url() -> Iterator[str]:
+def pg_url(postgres: str) -> Iterator[str]:
     """A PostgreSQL URL on a schema of this test's own."""
-    with pg_schema() as url:
+    with pg_schema(postgres) as url:
         yield url
 
 

@@ -7,7 +7,7 @@ replica's child is SIGKILLed; the gateway fails its streams in-band and restarts
 while the other replica keeps serving.
 
 Asserted after each wave, per key: the balance went down by exactly the sum of its
-receipts' charges; every receipt is charged ``cost(price, prompt, completion)``; no
+receipts' charges; every receipt is charged ``charge_for(prompt, completion)``; no
 balance is negative; ``held`` is 0 once every stream settled (disconnected and failed
 ones included). Per stream: read to the end, the receipt's tokens are the usage the
 client got; cut short (client left, or the replica died), the receipt bills at least

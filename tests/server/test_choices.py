@@ -24,6 +24,7 @@ from tests.ledger.helpers import (
     PRICE,
     account,
     admin,
+    charge_for,
     expected_charge,
     new_account,
     new_key,
@@ -33,7 +34,6 @@ from tests.ledger.helpers import (
 from tests.server.test_bad_input import assert_error
 from tests.sse import events, to_done
 from tests.waiting import wait_until
-from tokenmill.metering import cost
 
 SLOTS = 4
 CONFIG = f"""
@@ -220,11 +220,11 @@ def test_a_request_is_held_and_billed_for_all_its_choices(gw: ServerProcess) -> 
         # Credit for one choice's max_tokens, not for three: n=3 is refused before any
         # token (402), n=1 goes through.
         prompt = r["usage"]["prompt_tokens"]
-        poor = new_account(adm, "poor", cost(PRICE, prompt, 5))
+        poor = new_account(adm, "poor", charge_for(prompt, 5))
         _, secret = new_key(adm, poor)
         with user(gw.url, secret) as u:
             assert_error(u.post("/v1/chat/completions", json={**body, "n": 3}), 402)
-            assert account(adm, poor)["balance"] == cost(PRICE, prompt, 5)
+            assert account(adm, poor)["balance"] == charge_for(prompt, 5)
             ok(u.post("/v1/chat/completions", json=body))
 
 

@@ -30,7 +30,6 @@ import pytest
 
 from tests.conftest import RayCluster, ServerProcess, launch
 from tests.driver import EngineDriver, scripted_deployment
-from tests.ledger.conftest import pg_schema
 from tests.ledger.helpers import (
     ADMIN_KEY,
     account,
@@ -40,10 +39,10 @@ from tests.ledger.helpers import (
     receipt,
     recorded_progress,
 )
+from tests.postgres import pg_schema
 from tests.sse import DONE, events, text
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import ConfigError, Price, load_settings
-from tokenmill.metering import cost
 
 PROMPT = "Tell a long story."  # 4 words: 4 prompt tokens for the scripted engine
 PRICE = Price(prompt_per_mtok=1_000_000, completion_per_mtok=3_000_000)
@@ -61,9 +60,9 @@ def body(max_tokens: int, stream: bool = True) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pg_schema_url() -> Iterator[str]:
+def pg_schema_url(postgres: str) -> Iterator[str]:
     """A PostgreSQL schema of this module's own."""
-    with pg_schema() as url:
+    with pg_schema(postgres) as url:
         yield url
 
 
@@ -196,12 +195,11 @@ def test_requests_held_at_once_land_on_both_cells_and_credit_stays_exact(
             drv.finish(rid)
         tails = {rid: list(s) for rid, s in streams.items()}
     assert all(t[-1] == DONE for t in tails.values())
-    charged = sum(cost(PRICE, 4, 1 + i % 3) for i in range(len(pids)))
+    # 4 prompt tokens x 1 + completion tokens x 3 each (PRICE): no rounding.
+    charged = sum(4 + 3 * (1 + i % 3) for i in range(len(pids)))
     with admin(cells.url) as adm:
         for rid in pids:
-            assert receipt(adm, rid)["charged"] == cost(
-                PRICE, 4, sum(1 for e in tails[rid] if text(e))
-            )
+            assert receipt(adm, rid)["charged"] == 4 + 3 * sum(1 for e in tails[rid] if text(e))
         state = account(adm, acc)
     assert state["held"] == 0
     assert state["balance"] == 1_000_000 - charged
@@ -291,13 +289,13 @@ def test_twenty_keys_streaming_at_once_over_both_cells_never_overdraw(
     # them all to one cell): the ledger is exact either way.
     for _, rid, tokens in ran:
         assert receipts[rid]["completion_tokens"] == tokens
-        assert receipts[rid]["charged"] == cost(PRICE, 4, tokens)
+        assert receipts[rid]["charged"] == 4 + 3 * tokens  # 4 prompt x 1 + tokens x 3
     for key, state in enumerate(states):
         charged = sum(receipts[rid]["charged"] for k, rid, _ in ran if k == key)
         assert state["held"] == 0 and state["balance"] >= 0, state
         assert state["balance"] == credit - charged, state
     total = sum(receipts[rid]["charged"] for _, rid, _ in ran)
-    assert total == sum(cost(PRICE, 4, tokens) for _, _, tokens in ran)
+    assert total == sum(4 + 3 * tokens for _, _, tokens in ran)
     assert total == sum(credit - state["balance"] for state in states)
 
 
@@ -379,8 +377,8 @@ def test_a_cell_killed_mid_stream_is_replaced_and_its_hold_swept(
         swept = receipt(adm, "killed")
         state = account(adm, acc)
     assert swept["finish_reason"] == "expired" and swept["completion_tokens"] == 2, swept
-    assert swept["charged"] == cost(PRICE, 4, 2)
-    assert state["held"] == 0 and state["balance"] == 1_000 - cost(PRICE, 4, 2)
+    assert swept["charged"] == 10  # 4 prompt tokens x 1 + 2 completion tokens x 3
+    assert state["held"] == 0 and state["balance"] == 990
 
 
 def test_several_cells_on_sqlite_are_refused(tmp_path: Path) -> None:

@@ -75,10 +75,6 @@ class ToolPlan:
     # Tools the engine passes on unchanged (an upstream) or renders with the template.
     spec: ToolSpec | None = None
 
-    @property
-    def reads_calls(self) -> bool:
-        return self.output != "text"
-
 
 def plan_tools(request: ChatRequest, engine: str, template: str | None = None) -> ToolPlan | None:
     """The plan of a request, or None when it involves no tools at all. ``engine``:

@@ -195,12 +195,6 @@ class FairQueue(Generic[T]):
         self._settle(acc)
         return True
 
-    def may_start(self, tenant: Tenant) -> bool:
-        """Whether the account is under its cap (a request of it could run now)."""
-        if not self.fair or tenant.max_concurrent is None:
-            return True
-        return self.running(tenant.account) < tenant.max_concurrent
-
     def start(self, tenant: Tenant) -> None:
         """A request of ``tenant`` runs without having queued (slots were free)."""
         self._activate(tenant).running += 1

@@ -12,14 +12,13 @@ from pathlib import Path
 import platformdirs
 
 from tokenmill.config import Settings
-from tokenmill.ledger.base import Account, HoldSpec, KeyInfo, Ledger, Receipt
+from tokenmill.ledger.base import Account, HoldSpec, KeyInfo, Receipt
 from tokenmill.ledger.sql import Clock, SqlLedger
 
 __all__ = [
     "Account",
     "HoldSpec",
     "KeyInfo",
-    "Ledger",
     "Receipt",
     "SqlLedger",
     "build_ledger",

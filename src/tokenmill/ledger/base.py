@@ -1,4 +1,4 @@
-"""The ledger's vocabulary: accounts, keys, holds and receipts, and the async interface.
+"""The ledger's vocabulary: accounts, keys, holds and receipts.
 
 Money is always an ``int`` of micro-units. API keys are high-entropy random strings;
 only their SHA-256 is stored (a slow password hash buys nothing for 256 random bits),
@@ -11,9 +11,8 @@ import enum
 import hashlib
 import secrets
 import uuid
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 ANONYMOUS_ACCOUNT = "anonymous"
 # A key's priority class (tokenmill.gateway.fairqueue.Priority; the ledger stands
@@ -123,61 +122,3 @@ class Receipt:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class Ledger(Protocol):
-    """Every method is a short transaction; all are safe across processes."""
-
-    gateway_id: str
-
-    async def open(self) -> None: ...
-    async def close(self) -> None: ...
-
-    async def create_account(
-        self,
-        name: str,
-        balance: int = 0,
-        *,
-        account_id: str | None = None,
-        weight: float = 1.0,
-        max_concurrent: int | None = None,
-    ) -> Account: ...
-    async def get_account(self, account_id: str) -> Account | None: ...
-    async def add_credits(self, account_id: str, amount: int) -> Account: ...
-    async def update_account(
-        self,
-        account_id: str,
-        *,
-        weight: float | Keep = KEEP,
-        max_concurrent: int | Keep | None = KEEP,
-    ) -> Account: ...
-
-    async def create_key(
-        self,
-        account_id: str,
-        *,
-        rpm: int | None = None,
-        tpm: int | None = None,
-        priority: KeyPriority = "default",
-    ) -> tuple[KeyInfo, str]: ...
-    async def resolve_key(self, plaintext: str) -> KeyInfo | None: ...
-    async def revoke_key(self, key_id: str) -> KeyInfo | None: ...
-    async def set_key_priority(self, key_id: str, priority: KeyPriority) -> KeyInfo | None: ...
-
-    async def hold(self, spec: HoldSpec) -> None: ...
-    async def record_progress(self, progress: Sequence[HoldProgress]) -> None: ...
-    async def settle(
-        self,
-        request_id: str,
-        *,
-        prompt_tokens: int,
-        completion_tokens: int,
-        finish_reason: str,
-        charged: int,
-    ) -> Receipt | None: ...
-    async def receipt(self, request_id: str) -> Receipt | None: ...
-    async def usage(self, account_id: str, limit: int = 100) -> list[Receipt]: ...
-    async def open_holds(self, account_id: str | None = None) -> int: ...
-
-    async def heartbeat(self) -> None: ...
-    async def sweep(self, stale_s: float) -> int: ...
