@@ -45,6 +45,9 @@ lint: install
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 	$(BIN)/mypy
+	# The layers (server -> chat -> gateway -> replicas -> engines; the ledger and the
+	# client below nothing of them) and no import circle: .importlinter.
+	$(BIN)/lint-imports
 
 fmt: install
 	$(BIN)/ruff check --fix src tests bench

@@ -23,10 +23,9 @@ from urllib.parse import quote
 
 import psycopg
 
-from tokenmill.ledger import ledger_from_url
+from tokenmill.ledger import SqlLedger, ledger_from_url
 from tokenmill.ledger.backends import SqliteLedger
 from tokenmill.ledger.base import HoldProgress, HoldSpec
-from tokenmill.ledger.sql import SqlLedger
 
 OPEN_HOLDS = (1, 16, 64, 256)
 FLUSHES = 200

@@ -15,7 +15,7 @@ from tests.sse import events, text, to_done
 from tests.sse import usage as sse_usage
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import Settings
-from tokenmill.gateway.core import Gateway
+from tokenmill.gateway import Gateway
 from tokenmill.metrics import GatewayMetrics
 
 DEP = "smollm2"

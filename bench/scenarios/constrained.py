@@ -36,7 +36,7 @@ def mask_cost(tokens: int = MASK_TOKENS) -> dict[str, Any]:
     import llama_cpp as ll
     import numpy as np
 
-    from tokenmill.engines.base import Constraint
+    from tokenmill.engines import Constraint
     from tokenmill.engines.embedded import embedded_model_path
     from tokenmill.engines.llamacpp.grammar import GrammarCache
     from tokenmill.engines.llamacpp.vocab import Vocab, init_backend

@@ -27,7 +27,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenmill import stages
-from tokenmill.gateway.core import Gateway, RequestRecord
+from tokenmill.gateway import Gateway, RequestRecord
 
 log = logging.getLogger("tokenmill.metrics")
 

@@ -19,7 +19,7 @@ from tokenmill.chat import (
     ToolCallStart,
 )
 from tokenmill.chat.answers import Answer, CallingAnswer, TextAnswer
-from tokenmill.engines.base import Chunk, TokenLogprob, ToolCallDelta
+from tokenmill.engines import Chunk, TokenLogprob, ToolCallDelta
 
 CALLS = [
     {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},

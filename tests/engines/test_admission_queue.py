@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.engines.base import GenerationRequest, SamplingParams
+from tokenmill.engines import GenerationRequest, SamplingParams
 from tokenmill.engines.llamacpp.admission import RequestQueue
 from tokenmill.engines.llamacpp.choices import Group, build_group
 

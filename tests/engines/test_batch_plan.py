@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.engines.base import GenerationRequest, SamplingParams
+from tokenmill.engines import GenerationRequest, SamplingParams
 from tokenmill.engines.llamacpp.batch import plan_batch
 from tokenmill.engines.llamacpp.choices import Choice, build_group
 

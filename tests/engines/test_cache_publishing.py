@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.waiting import wait_until_async
-from tokenmill.engines.base import ChatMessage, GenerationRequest, SamplingParams
+from tokenmill.engines import ChatMessage, GenerationRequest, SamplingParams
 from tokenmill.engines.llamacpp import LlamaCppEngine
 from tokenmill.gateway.prefix import PrefixIndex
 from tokenmill.kvblocks import BLOCK_TOKENS, BlockSnapshot, BlockUpdate, CacheEvent, chain

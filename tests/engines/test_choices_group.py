@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.engines.base import Constraint, GenerationRequest, SamplingParams
+from tokenmill.engines import Constraint, GenerationRequest, SamplingParams
 from tokenmill.engines.llamacpp.choices import build_group
 
 

@@ -6,8 +6,7 @@ import asyncio
 
 import pytest
 
-from tokenmill.engines.base import Chunk, Usage
-from tokenmill.engines.chunks import ChunkStream
+from tokenmill.engines import Chunk, ChunkStream, Usage
 from tokenmill.errors import EngineError
 
 

@@ -19,7 +19,7 @@ import llguidance
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.engines.base import Constraint
+from tokenmill.engines import Constraint
 from tokenmill.engines.json_numbers import INTEGER_MAX, INTEGER_MIN, bound_numbers
 from tokenmill.engines.llamacpp.grammar import grammar_text
 

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenmill.engines.base import TokenLogprob
+from tokenmill.engines import TokenLogprob
 from tokenmill.engines.logprobs import MIN_LOGPROB, TokenAligner
 from tokenmill.engines.textstream import TextStream
 

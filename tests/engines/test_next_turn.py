@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.waiting import wait_until_async
-from tokenmill.engines.base import ChatMessage, GenerationRequest, SamplingParams, Usage
+from tokenmill.engines import ChatMessage, GenerationRequest, SamplingParams, Usage
 from tokenmill.engines.chat_template import next_user_turn
 from tokenmill.engines.llamacpp import LlamaCppEngine
 

@@ -13,9 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.driver import EngineDriver
-from tokenmill.engines import Engine
-from tokenmill.engines.base import Chunk, GenerationRequest, SamplingParams, Usage
-from tokenmill.engines.chunks import ChunkStream
+from tokenmill.engines import Chunk, ChunkStream, Engine, GenerationRequest, SamplingParams, Usage
 from tokenmill.engines.scripted import ScriptedEngine
 from tokenmill.errors import ContextLengthError, EngineError
 

@@ -17,9 +17,9 @@ import pytest
 
 from tests.driver import EngineDriver
 from tokenmill.config import Price, ScriptedDeployment, Settings
-from tokenmill.engines.base import GenerationRequest, SamplingParams
+from tokenmill.engines import GenerationRequest, SamplingParams
 from tokenmill.errors import ContextLengthError, InsufficientCreditError, InvalidRequestError
-from tokenmill.gateway.core import Gateway, RequestRecord
+from tokenmill.gateway import Gateway, RequestRecord
 from tokenmill.gateway.reservation import Reservation
 from tokenmill.identity import Caller
 from tokenmill.metering import HoldRequest, Progress, Settlement, cost

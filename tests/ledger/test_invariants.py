@@ -73,8 +73,8 @@ from tests.ledger.helpers import (
 from tests.sse import DONE, events
 from tests.waiting import wait_until
 from tokenmill.config import ScriptedDeployment
-from tokenmill.engines.base import GenerationRequest, SamplingParams
-from tokenmill.replicas.placement import build_host
+from tokenmill.engines import GenerationRequest, SamplingParams
+from tokenmill.replicas import build_host
 
 WAVE1 = 100  # streams before the kill, nothing killed
 STREAMS = 200

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.ledger.responses import ResponseStore
-from tokenmill.ledger.sql import SqlLedger
+from tokenmill.ledger import ResponseStore, SqlLedger
 
 DAY_S = 24 * 3600.0
 USER_TEXT = [{"type": "input_text", "text": "hi"}]

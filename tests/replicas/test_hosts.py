@@ -17,10 +17,9 @@ from tests.conftest import RayCluster
 from tests.driver import EngineDriver
 from tests.waiting import wait_until_async
 from tokenmill.config import ScriptedDeployment
-from tokenmill.engines.base import Chunk, GenerationRequest, SamplingParams, Usage
+from tokenmill.engines import Chunk, GenerationRequest, SamplingParams, Usage
 from tokenmill.errors import EngineError
-from tokenmill.replicas.host import ReplicaHost, ReplicaState
-from tokenmill.replicas.placement import build_host
+from tokenmill.replicas import ReplicaHost, ReplicaState, build_host
 
 
 def state_of(host: ReplicaHost) -> ReplicaState:

@@ -15,7 +15,7 @@ from typing import Any
 
 from tests.driver import EngineDriver
 from tests.waiting import HANG_S
-from tokenmill.engines.base import GenerationRequest, SamplingParams
+from tokenmill.engines import GenerationRequest, SamplingParams
 from tokenmill.replicas.shared import SharedReplica
 from tokenmill.replicas.wire import encode_frame, encode_request, read_frame
 

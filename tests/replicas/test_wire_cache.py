@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tokenmill.engines.base import ChatMessage, GenerationRequest, SamplingParams
+from tokenmill.engines import ChatMessage, GenerationRequest, SamplingParams
 from tokenmill.kvblocks import BlockSnapshot, BlockUpdate, CacheEvent, chain
 from tokenmill.replicas.wire import (
     decode_cache_event,

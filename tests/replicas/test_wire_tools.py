@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenmill.engines.base import (
+from tokenmill.engines import (
     ChatMessage,
     Chunk,
     GenerationRequest,

@@ -10,7 +10,7 @@ import openai.types.responses
 import pytest
 from pydantic import BaseModel
 
-from tokenmill.chat.events import (
+from tokenmill.chat import (
     ChoiceEnd,
     Event,
     Finished,
@@ -19,7 +19,7 @@ from tokenmill.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from tokenmill.engines.base import Usage
+from tokenmill.engines import Usage
 from tokenmill.errors import EngineError
 from tokenmill.server.messages.events import MessageEncoder
 from tokenmill.server.responses.events import ResponseEncoder

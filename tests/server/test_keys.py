@@ -21,8 +21,7 @@ import pytest
 from tests.conftest import ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
 from tests.sse import DONE, events
-from tokenmill.ledger import ledger_from_url
-from tokenmill.ledger.base import hash_key
+from tokenmill.ledger import hash_key, ledger_from_url
 from tokenmill.server import auth
 from tokenmill.server.auth import Auth, KeyCache
 

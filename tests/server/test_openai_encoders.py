@@ -11,7 +11,7 @@ import openai.types.chat
 import pytest
 from pydantic import BaseModel
 
-from tokenmill.chat.events import (
+from tokenmill.chat import (
     ChoiceEnd,
     ChoiceResult,
     Event,
@@ -22,7 +22,7 @@ from tokenmill.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from tokenmill.engines.base import TokenLogprob, ToolCall, Usage
+from tokenmill.engines import TokenLogprob, ToolCall, Usage
 from tokenmill.engines.results import TopLogprob
 from tokenmill.errors import EngineError
 from tokenmill.server.openai import protocol

@@ -34,7 +34,7 @@ def child_main(max_tokens: int, threads: int) -> None:
     """Child process: the engine alone, no HTTP. Says ``{"ready": true}`` once loaded and
     warm, then for each line on stdin (a number of sequences) runs them and prints one
     JSON line, until stdin ends."""
-    from tokenmill.engines.base import ChatMessage, GenerationRequest, SamplingParams
+    from tokenmill.engines import ChatMessage, GenerationRequest, SamplingParams
     from tokenmill.engines.llamacpp import LlamaCppEngine
 
     async def measure(engine: LlamaCppEngine, n: int, seed: int) -> dict[str, float]:

@@ -35,7 +35,7 @@ from tokenmill.chat.toolcalls import (
     ToolCallReader,
     ToolEvent,
 )
-from tokenmill.engines.base import Chunk, TokenLogprob
+from tokenmill.engines import Chunk, TokenLogprob
 
 # Where an answer's calls are: nowhere ("text"), in the generic format's JSON
 # ("generic"), in the template's markup ("markup"), in the engine's own calls

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tokenmill.engines.base import TokenLogprob, ToolCall, Usage
+from tokenmill.engines import TokenLogprob, ToolCall, Usage
 
 __all__ = [
     "ChoiceEnd",

@@ -27,9 +27,8 @@ from tokenmill.chat.events import (
 from tokenmill.chat.request import ChatRequest, Turn
 from tokenmill.chat.structured import instruct
 from tokenmill.chat.tools import plain, plan_tools, template_needed
-from tokenmill.engines.base import ChatMessage, GenerationRequest, TokenLogprob, ToolCall, Usage
-from tokenmill.gateway.core import Gateway, RequestStream
-from tokenmill.gateway.deployment import Deployment
+from tokenmill.engines import ChatMessage, GenerationRequest, TokenLogprob, ToolCall, Usage
+from tokenmill.gateway import Deployment, Gateway, RequestStream
 from tokenmill.identity import Caller
 
 __all__ = ["Generation", "count_prompt", "open_generation"]

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokenmill.engines.base import Constraint, PromptItem, SamplingParams, ToolCall
+from tokenmill.engines import Constraint, PromptItem, SamplingParams, ToolCall
 
 __all__ = ["ChatRequest", "FunctionTool", "NamedTool", "ResponseFormat", "ToolChoice", "Turn"]
 

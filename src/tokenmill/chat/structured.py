@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from tokenmill.engines.base import ChatMessage, Constraint
+from tokenmill.engines import ChatMessage, Constraint
 
 __all__ = ["instruct"]
 

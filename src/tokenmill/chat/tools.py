@@ -50,8 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenmill.chat.request import ChatRequest, FunctionTool, NamedTool, ToolChoice, Turn
-from tokenmill.engines.base import ChatMessage, Constraint, ToolSpec
-from tokenmill.engines.json_numbers import bound_numbers
+from tokenmill.engines import ChatMessage, Constraint, ToolSpec, bound_numbers
 from tokenmill.errors import InvalidRequestError
 
 ToolOutput = Literal["text", "generic", "markup", "forwarded"]

@@ -10,15 +10,38 @@ import importlib
 from typing import TYPE_CHECKING
 
 from tokenmill.engines.base import (
+    CachePublishing,
     ChatMessage,
     Chunk,
+    Constraint,
     Engine,
     EngineHealth,
     GenerationRequest,
     PromptInfo,
+    PromptItem,
     SamplingParams,
+    SteppedEngine,
+    StepSink,
+    TokenizeRequest,
+    TokenizerInfo,
+    TokenizingEngine,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    ToolSpec,
+    TopLogprob,
     Usage,
 )
+from tokenmill.engines.chunks import ChunkStream
+from tokenmill.engines.embeddings import (
+    EmbeddingEngine,
+    EmbeddingInfo,
+    EmbeddingInput,
+    EmbeddingRequest,
+    Embeddings,
+    cannot_embed,
+)
+from tokenmill.engines.json_numbers import bound_numbers
 
 if TYPE_CHECKING:
     from tokenmill.config import DeploymentConfig
@@ -44,13 +67,34 @@ def create_engine(section: DeploymentConfig) -> Engine:
 
 
 __all__ = [
+    "CachePublishing",
     "ChatMessage",
     "Chunk",
+    "ChunkStream",
+    "Constraint",
+    "EmbeddingEngine",
+    "EmbeddingInfo",
+    "EmbeddingInput",
+    "EmbeddingRequest",
+    "Embeddings",
     "Engine",
     "EngineHealth",
     "GenerationRequest",
     "PromptInfo",
+    "PromptItem",
     "SamplingParams",
+    "StepSink",
+    "SteppedEngine",
+    "TokenLogprob",
+    "TokenizeRequest",
+    "TokenizerInfo",
+    "TokenizingEngine",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolSpec",
+    "TopLogprob",
     "Usage",
+    "bound_numbers",
+    "cannot_embed",
     "create_engine",
 ]

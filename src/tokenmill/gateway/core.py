@@ -25,8 +25,7 @@ from typing import Any
 
 from tokenmill import stages
 from tokenmill.config import Settings
-from tokenmill.engines.base import Chunk, GenerationRequest, Usage
-from tokenmill.engines.chunks import ChunkStream
+from tokenmill.engines import Chunk, ChunkStream, GenerationRequest, Usage
 from tokenmill.errors import (
     EngineError,
     NotFoundError,

@@ -34,8 +34,7 @@ from tokenmill.gateway.prefix import PrefixIndex
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
 from tokenmill.gateway.routing.speed import Speed
 from tokenmill.kvblocks import BLOCK_TOKENS, BlockSnapshot, CacheEvent, chain
-from tokenmill.replicas.host import ADMITTING, ReplicaHost, ReplicaState
-from tokenmill.replicas.placement import build_host
+from tokenmill.replicas import ADMITTING, ReplicaHost, ReplicaState, build_host
 
 log = logging.getLogger("tokenmill.gateway")
 

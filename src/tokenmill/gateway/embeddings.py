@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tokenmill.engines.embeddings import EmbeddingRequest, Embeddings
+from tokenmill.engines import EmbeddingRequest, Embeddings
 from tokenmill.errors import EngineError, TokenmillError
 from tokenmill.gateway.core import Gateway, RequestRecord
 from tokenmill.gateway.deployment import Deployment, Replica

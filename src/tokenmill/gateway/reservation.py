@@ -24,13 +24,13 @@ from collections.abc import Awaitable
 from typing import TypeVar
 
 from tokenmill.config import Price
-from tokenmill.engines.base import GenerationRequest, PromptInfo
+from tokenmill.engines import GenerationRequest, PromptInfo
 from tokenmill.errors import InvalidRequestError
 from tokenmill.gateway.deployment import Deployment, Replica
 from tokenmill.gateway.records import RequestRecord
 from tokenmill.gateway.routing import RouteQuery
 from tokenmill.metering import HoldRequest, Meter, Progress, Settlement, cost
-from tokenmill.replicas.host import ReplicaHost
+from tokenmill.replicas import ReplicaHost
 
 T = TypeVar("T")
 

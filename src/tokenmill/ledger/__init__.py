@@ -12,17 +12,36 @@ from pathlib import Path
 import platformdirs
 
 from tokenmill.config import Settings
-from tokenmill.ledger.base import Account, HoldSpec, KeyInfo, Receipt
+from tokenmill.ledger.base import (
+    ANONYMOUS_ACCOUNT,
+    KEEP,
+    MAX_WEIGHT,
+    Account,
+    HoldSpec,
+    KeyInfo,
+    KeyPriority,
+    Receipt,
+    hash_key,
+)
+from tokenmill.ledger.meter import LedgerMeter
+from tokenmill.ledger.responses import ResponseStore
 from tokenmill.ledger.sql import Clock, SqlLedger
 
 __all__ = [
+    "ANONYMOUS_ACCOUNT",
+    "KEEP",
+    "MAX_WEIGHT",
     "Account",
     "HoldSpec",
     "KeyInfo",
+    "KeyPriority",
+    "LedgerMeter",
     "Receipt",
+    "ResponseStore",
     "SqlLedger",
     "build_ledger",
     "data_dir",
+    "hash_key",
     "ledger_from_url",
 ]
 

@@ -12,12 +12,13 @@ import hashlib
 import secrets
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
+
+from tokenmill.identity import Priority
 
 ANONYMOUS_ACCOUNT = "anonymous"
-# A key's priority class (tokenmill.gateway.fairqueue.Priority; the ledger stands
-# below the gateway and names them itself).
-KeyPriority = Literal["batch", "default", "interactive"]
+# A key's priority class: the caller's, as the fair queue ranks it.
+KeyPriority = Priority
 # The largest weight an account may have: a thousand times another's share is already
 # all of it in practice, and a bound keeps the counters' arithmetic tame.
 MAX_WEIGHT = 1000.0

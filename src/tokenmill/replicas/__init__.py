@@ -26,3 +26,15 @@ The modules, one job each:
 Importing this package imports no engine backend, no Ray and no torch: the modules
 that need them (``rayactor``, ``pool``) are imported by name where they are used.
 """
+
+from __future__ import annotations
+
+from tokenmill.replicas.host import ADMITTING, ReplicaHost, ReplicaState
+from tokenmill.replicas.placement import build_host
+
+__all__ = [
+    "ADMITTING",
+    "ReplicaHost",
+    "ReplicaState",
+    "build_host",
+]

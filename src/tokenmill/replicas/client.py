@@ -26,9 +26,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from tokenmill import stages
-from tokenmill.engines.base import GenerationRequest, PromptInfo, TokenizeRequest, TokenizerInfo
-from tokenmill.engines.chunks import ChunkStream
-from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
+from tokenmill.engines import (
+    ChunkStream,
+    EmbeddingInfo,
+    EmbeddingRequest,
+    Embeddings,
+    GenerationRequest,
+    PromptInfo,
+    TokenizeRequest,
+    TokenizerInfo,
+)
 from tokenmill.errors import EngineError, ReplicaFullError, TokenmillError
 from tokenmill.kvblocks import CacheEvent
 from tokenmill.replicas.host import ReplicaLocation

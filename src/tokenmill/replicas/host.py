@@ -32,15 +32,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from tokenmill.engines.base import (
+from tokenmill.engines import (
+    ChunkStream,
+    EmbeddingInfo,
+    EmbeddingRequest,
+    Embeddings,
     EngineHealth,
     GenerationRequest,
     PromptInfo,
     TokenizeRequest,
     TokenizerInfo,
 )
-from tokenmill.engines.chunks import ChunkStream
-from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
 from tokenmill.kvblocks import CacheEvent
 
 ReplicaState = Literal["unloaded", "loading", "ready", "restarting", "unhealthy"]

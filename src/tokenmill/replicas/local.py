@@ -11,8 +11,13 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from tokenmill import stages
-from tokenmill.engines.base import (
+from tokenmill.engines import (
     CachePublishing,
+    ChunkStream,
+    EmbeddingEngine,
+    EmbeddingInfo,
+    EmbeddingRequest,
+    Embeddings,
     Engine,
     EngineHealth,
     GenerationRequest,
@@ -20,13 +25,6 @@ from tokenmill.engines.base import (
     TokenizeRequest,
     TokenizerInfo,
     TokenizingEngine,
-)
-from tokenmill.engines.chunks import ChunkStream
-from tokenmill.engines.embeddings import (
-    EmbeddingEngine,
-    EmbeddingInfo,
-    EmbeddingRequest,
-    Embeddings,
     cannot_embed,
 )
 from tokenmill.errors import InvalidRequestError

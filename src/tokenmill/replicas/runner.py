@@ -39,17 +39,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from tokenmill import stages
-from tokenmill.engines import Engine
-from tokenmill.engines.base import (
+from tokenmill.engines import (
     CachePublishing,
     Chunk,
+    ChunkStream,
+    EmbeddingEngine,
+    Engine,
     GenerationRequest,
     SteppedEngine,
     StepSink,
     TokenizingEngine,
+    cannot_embed,
 )
-from tokenmill.engines.chunks import ChunkStream
-from tokenmill.engines.embeddings import EmbeddingEngine, cannot_embed
 from tokenmill.errors import InvalidRequestError
 from tokenmill.replicas.wire import (
     chunk_row,

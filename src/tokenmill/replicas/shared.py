@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill import stages
-from tokenmill.engines import Engine
-from tokenmill.engines.base import (
+from tokenmill.engines import (
     CachePublishing,
     Chunk,
+    Engine,
     GenerationRequest,
     SteppedEngine,
     StepSink,

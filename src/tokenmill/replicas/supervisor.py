@@ -33,15 +33,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from tokenmill.engines.base import (
+from tokenmill.engines import (
+    ChunkStream,
+    EmbeddingInfo,
+    EmbeddingRequest,
+    Embeddings,
     EngineHealth,
     GenerationRequest,
     PromptInfo,
     TokenizeRequest,
     TokenizerInfo,
 )
-from tokenmill.engines.chunks import ChunkStream
-from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
 from tokenmill.errors import EngineError
 from tokenmill.kvblocks import CacheEvent
 from tokenmill.replicas.client import Channel, ReplicaClient

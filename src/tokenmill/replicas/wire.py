@@ -29,10 +29,11 @@ import struct
 from typing import Any
 
 from tokenmill import errors
-from tokenmill.engines.base import (
+from tokenmill.engines import (
     ChatMessage,
     Chunk,
     Constraint,
+    EmbeddingRequest,
     GenerationRequest,
     SamplingParams,
     TokenizeRequest,
@@ -44,7 +45,6 @@ from tokenmill.engines.base import (
     TopLogprob,
     Usage,
 )
-from tokenmill.engines.embeddings import EmbeddingRequest
 from tokenmill.errors import EngineError, TokenmillError
 from tokenmill.kvblocks import BlockSnapshot, BlockUpdate, CacheEvent
 

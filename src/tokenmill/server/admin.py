@@ -13,9 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.errors import NotFoundError
 from tokenmill.identity import Caller
-from tokenmill.ledger.base import KEEP, MAX_WEIGHT, KeyInfo, KeyPriority, Receipt
-from tokenmill.ledger.base import Account as LedgerAccount
-from tokenmill.ledger.sql import SqlLedger
+from tokenmill.ledger import KEEP, MAX_WEIGHT, KeyInfo, KeyPriority, Receipt, SqlLedger
+from tokenmill.ledger import Account as LedgerAccount
 from tokenmill.server.intake import parse_body
 from tokenmill.server.openapi import errors, json_body, link
 from tokenmill.server.protocol import Int

@@ -28,11 +28,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenmill import stages
 from tokenmill.config import Settings
 from tokenmill.errors import NotFoundError, TokenmillError
-from tokenmill.gateway.core import Gateway, new_request_id
+from tokenmill.gateway import Gateway, new_request_id
 from tokenmill.identity import ANONYMOUS
-from tokenmill.ledger import build_ledger
-from tokenmill.ledger.meter import LedgerMeter
-from tokenmill.ledger.responses import ResponseStore
+from tokenmill.ledger import LedgerMeter, ResponseStore, build_ledger
 from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenmill.server.admin import router as admin_router
 from tokenmill.server.auth import Auth, KeyCache

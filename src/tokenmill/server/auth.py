@@ -27,8 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill import stages
 from tokenmill.errors import AuthenticationError, PermissionDeniedError, TokenmillError
 from tokenmill.identity import ANONYMOUS, Caller
-from tokenmill.ledger.base import ANONYMOUS_ACCOUNT, KeyInfo, hash_key
-from tokenmill.ledger.sql import SqlLedger
+from tokenmill.ledger import ANONYMOUS_ACCOUNT, KeyInfo, SqlLedger, hash_key
 from tokenmill.server.errors import error_response
 
 CACHE_TTL_S = 2.0

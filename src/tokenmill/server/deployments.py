@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from tokenmill.gateway.core import Gateway
+from tokenmill.gateway import Gateway
 from tokenmill.server.intake import deployment_by_id
 from tokenmill.server.openapi import errors
 from tokenmill.server.protocol import DeploymentInfo, DeploymentList

@@ -24,8 +24,7 @@ from starlette.requests import Request
 
 from tokenmill import stages
 from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableError
-from tokenmill.gateway.core import Gateway
-from tokenmill.gateway.deployment import Deployment
+from tokenmill.gateway import Deployment, Gateway
 from tokenmill.server.errors import from_validation_error, read_body
 from tokenmill.server.refused import UNSUPPORTED
 

@@ -38,7 +38,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from tokenmill.config import Settings
-from tokenmill.gateway.core import Gateway
+from tokenmill.gateway import Gateway
 from tokenmill.stages import ARRIVED
 
 log = logging.getLogger("tokenmill.server")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenmill.chat.events import (
+from tokenmill.chat import (
     ChoiceEnd,
     Event,
     Finished,
@@ -31,7 +31,7 @@ from tokenmill.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from tokenmill.engines.base import Usage
+from tokenmill.engines import Usage
 from tokenmill.errors import TokenmillError
 from tokenmill.server.errors import anthropic_body
 

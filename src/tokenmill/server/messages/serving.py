@@ -20,18 +20,17 @@ from typing import Any
 from tokenmill.chat import (
     ChatRequest,
     FunctionTool,
+    Generation,
     NamedTool,
     ResponseFormat,
     Turn,
     count_prompt,
     open_generation,
 )
-from tokenmill.chat.generation import Generation
-from tokenmill.chat.request import ToolChoice as CoreToolChoice
-from tokenmill.engines.base import SamplingParams, ToolCall
+from tokenmill.chat import ToolChoice as CoreToolChoice
+from tokenmill.engines import SamplingParams, ToolCall
 from tokenmill.errors import InvalidRequestError, TokenmillError
-from tokenmill.gateway.core import Gateway
-from tokenmill.gateway.deployment import Deployment
+from tokenmill.gateway import Deployment, Gateway
 from tokenmill.identity import Caller
 from tokenmill.server.messages.events import MessageEncoder
 from tokenmill.server.messages.protocol import (

@@ -17,10 +17,9 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tokenmill.engines.embeddings import EmbeddingInput, EmbeddingRequest, Embeddings
+from tokenmill.engines import EmbeddingInput, EmbeddingRequest, Embeddings
+from tokenmill.gateway import Deployment, Gateway
 from tokenmill.gateway import embeddings as gateway_embeddings
-from tokenmill.gateway.core import Gateway
-from tokenmill.gateway.deployment import Deployment
 from tokenmill.identity import Caller
 from tokenmill.server.protocol import TokenId, _integral
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.chat.events import (
+from tokenmill.chat import (
     ChoiceEnd,
     ChoiceResult,
     Event,
@@ -41,7 +41,7 @@ from tokenmill.chat.events import (
     ToolCallArguments,
     ToolCallStart,
 )
-from tokenmill.engines.base import TokenLogprob, Usage
+from tokenmill.engines import TokenLogprob, Usage
 from tokenmill.errors import TokenmillError
 
 

@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from tokenmill.chat import Turn
-from tokenmill.engines.base import ChatMessage, SamplingParams
+from tokenmill.engines import ChatMessage, SamplingParams
 from tokenmill.server.openai.structured import StructuredFields
 from tokenmill.server.openai.tools import MessageToolCall, ToolCall, ToolCallDelta, ToolFields
 from tokenmill.server.protocol import (

@@ -18,9 +18,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.gateway.core import Gateway
-from tokenmill.gateway.deployment import Deployment
-from tokenmill.gateway.fairqueue import requested_priority
+from tokenmill.gateway import Deployment, Gateway, requested_priority
 from tokenmill.server.intake import deployment_by_id, parse_body, ready_gateway
 from tokenmill.server.openai import embeddings, tokenizing
 from tokenmill.server.openai.protocol import (

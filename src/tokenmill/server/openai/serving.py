@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenmill import chat
-from tokenmill.engines.base import PromptItem
+from tokenmill.engines import PromptItem
 from tokenmill.errors import TokenmillError
-from tokenmill.gateway.core import Gateway
-from tokenmill.gateway.deployment import Deployment
+from tokenmill.gateway import Deployment, Gateway
 from tokenmill.identity import Caller
 from tokenmill.server.openai.events import ChatEncoder, CompletionEncoder
 from tokenmill.server.openai.protocol import Message, SamplingFields

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from tokenmill.engines.base import Constraint
+from tokenmill.engines import Constraint
 
 __all__ = ["ResponseFormat", "StructuredFields"]
 

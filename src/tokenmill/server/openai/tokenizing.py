@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tokenmill.engines.base import TokenizeRequest
-from tokenmill.gateway.deployment import Deployment
+from tokenmill.engines import TokenizeRequest
+from tokenmill.gateway import Deployment
 from tokenmill.server.openai.protocol import (
     DetokenizeBody,
     Detokenized,

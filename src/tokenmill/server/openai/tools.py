@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from tokenmill import chat
-from tokenmill.engines.base import ToolCall as CallMade
+from tokenmill.engines import ToolCall as CallMade
 
 # OpenAI's rule for a function's name: the name is what the model writes, and what
 # the client dispatches on.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from tokenmill.chat.events import (
+from tokenmill.chat import (
     ChoiceEnd,
     Event,
     Finished,
@@ -35,7 +35,7 @@ from tokenmill.chat.events import (
     ToolCallEnd,
     ToolCallStart,
 )
-from tokenmill.engines.base import Usage
+from tokenmill.engines import Usage
 from tokenmill.errors import TokenmillError
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from tokenmill.chat.request import Turn
-from tokenmill.engines.base import ToolCall
+from tokenmill.chat import Turn
+from tokenmill.engines import ToolCall
 from tokenmill.errors import InvalidRequestError
 from tokenmill.server.responses.protocol import (
     FunctionCallItem,

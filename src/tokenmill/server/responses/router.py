@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from tokenmill.ledger.responses import ResponseStore
+from tokenmill.ledger import ResponseStore
 from tokenmill.server.intake import parse_body, ready_gateway
 from tokenmill.server.openapi import (
     USAGE_LINK,

@@ -18,15 +18,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tokenmill.chat import ChatRequest, FunctionTool, NamedTool, ResponseFormat, open_generation
-from tokenmill.chat.generation import Generation
-from tokenmill.chat.request import ToolChoice
-from tokenmill.engines.base import SamplingParams
+from tokenmill.chat import (
+    ChatRequest,
+    FunctionTool,
+    Generation,
+    NamedTool,
+    ResponseFormat,
+    ToolChoice,
+    open_generation,
+)
+from tokenmill.engines import SamplingParams
 from tokenmill.errors import InvalidRequestError, NotFoundError, TokenmillError
-from tokenmill.gateway.core import Gateway
-from tokenmill.gateway.deployment import Deployment
+from tokenmill.gateway import Deployment, Gateway
 from tokenmill.identity import Caller
-from tokenmill.ledger.responses import ResponseStore
+from tokenmill.ledger import ResponseStore
 from tokenmill.server.responses.events import ResponseEncoder
 from tokenmill.server.responses.items import new_id, output_items, stored_items, turns
 from tokenmill.server.responses.protocol import (
