@@ -10,16 +10,13 @@ import openai.types.responses
 import pytest
 from pydantic import BaseModel
 
+from tests.server.core_events import ARGS, CALL, CUT, NOTHING, TEXT, TEXT_THEN_CALL, USAGE
 from tokenmill.chat import (
     ChoiceEnd,
     Event,
     Finished,
     TextDelta,
-    ToolCallArguments,
-    ToolCallEnd,
-    ToolCallStart,
 )
-from tokenmill.engines import Usage
 from tokenmill.errors import EngineError
 from tokenmill.server.messages.events import MessageEncoder
 from tokenmill.server.responses.events import ResponseEncoder
@@ -40,28 +37,7 @@ def check(events: dict[str, type[BaseModel]], event: dict[str, Any]) -> None:
     events[event["type"]].model_validate(event)
 
 
-USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4)
-ARGS = '{"city": "Paris"}'
 PARIS = {"city": "Paris"}
-
-TEXT: list[Event] = [
-    TextDelta(0, "Hel"),
-    TextDelta(0, ""),
-    TextDelta(0, "lo"),
-    ChoiceEnd(0, "stop"),
-    Finished(USAGE),
-]
-CALL: list[Event] = [
-    ToolCallStart(0, 0, "call_1", "weather"),
-    ToolCallArguments(0, 0, ARGS[:5]),
-    ToolCallArguments(0, 0, ARGS[5:]),
-    ToolCallEnd(0, 0, "call_1", "weather", ARGS),
-    ChoiceEnd(0, "tool_calls"),
-    Finished(USAGE),
-]
-TEXT_THEN_CALL: list[Event] = [TextDelta(0, "Let me look."), *CALL]
-CUT: list[Event] = [TextDelta(0, "Once upon"), ChoiceEnd(0, "length"), Finished(USAGE)]
-NOTHING: list[Event] = [ChoiceEnd(0, "stop"), Finished(USAGE)]
 
 
 def response_skeleton() -> dict[str, Any]:

@@ -11,6 +11,7 @@ import openai.types.chat
 import pytest
 from pydantic import BaseModel
 
+from tests.server.core_events import ARGS, CALL, CUT, NOTHING, TEXT, TEXT_THEN_CALL, USAGE
 from tokenmill.chat import (
     ChoiceEnd,
     ChoiceResult,
@@ -18,11 +19,8 @@ from tokenmill.chat import (
     Finished,
     Result,
     TextDelta,
-    ToolCallArguments,
-    ToolCallEnd,
-    ToolCallStart,
 )
-from tokenmill.engines import TokenLogprob, ToolCall, Usage
+from tokenmill.engines import TokenLogprob, ToolCall
 from tokenmill.engines.results import TopLogprob
 from tokenmill.errors import EngineError
 from tokenmill.server.openai import protocol
@@ -46,27 +44,6 @@ def check(chunk: dict[str, Any], *models: type[BaseModel]) -> None:
         model.model_validate(chunk)
 
 
-USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4)
-ARGS = '{"city": "Paris"}'
-
-TEXT: list[Event] = [
-    TextDelta(0, "Hel"),
-    TextDelta(0, ""),
-    TextDelta(0, "lo"),
-    ChoiceEnd(0, "stop"),
-    Finished(USAGE),
-]
-CALL: list[Event] = [
-    ToolCallStart(0, 0, "call_1", "weather"),
-    ToolCallArguments(0, 0, ARGS[:5]),
-    ToolCallArguments(0, 0, ARGS[5:]),
-    ToolCallEnd(0, 0, "call_1", "weather", ARGS),
-    ChoiceEnd(0, "tool_calls"),
-    Finished(USAGE),
-]
-TEXT_THEN_CALL: list[Event] = [TextDelta(0, "Let me look."), *CALL]
-CUT: list[Event] = [TextDelta(0, "Once upon"), ChoiceEnd(0, "length"), Finished(USAGE)]
-NOTHING: list[Event] = [ChoiceEnd(0, "stop"), Finished(USAGE)]
 # Two choices, interleaved as the core gives them.
 TWO: list[Event] = [
     TextDelta(1, "B"),
