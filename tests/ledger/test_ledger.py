@@ -21,7 +21,8 @@ from tokenmill.errors import (
 )
 from tokenmill.ledger import ledger_from_url
 from tokenmill.ledger.base import HoldProgress, HoldSpec, hash_key
-from tokenmill.ledger.sql import RATE_WINDOW_S, SqlLedger
+from tokenmill.ledger.ratelimits import RATE_WINDOW_S
+from tokenmill.ledger.sql import SqlLedger
 
 # The start of a rate window (a minute of 2023): tests step from there.
 WINDOW_START = 28_333_333 * RATE_WINDOW_S

@@ -23,7 +23,7 @@ from tokenmill.chat import (
 from tokenmill.engines import TokenLogprob, ToolCall
 from tokenmill.engines.results import TopLogprob
 from tokenmill.errors import EngineError
-from tokenmill.server.openai import protocol
+from tokenmill.server.openai import replies
 from tokenmill.server.openai.events import ChatEncoder, CompletionEncoder
 from tokenmill.server.protocol import ErrorBody
 
@@ -66,10 +66,10 @@ LOGPROBS: list[Event] = [
     Finished(USAGE),
 ]
 
-CHAT_STREAM = (openai.types.chat.ChatCompletionChunk, protocol.ChatCompletionChunk)
-CHAT_BODY = (openai.types.chat.ChatCompletion, protocol.ChatCompletion)
-COMPLETION_STREAM = (StreamedCompletion, protocol.CompletionChunk)
-COMPLETION_BODY = (openai.types.Completion, protocol.Completion)
+CHAT_STREAM = (openai.types.chat.ChatCompletionChunk, replies.ChatCompletionChunk)
+CHAT_BODY = (openai.types.chat.ChatCompletion, replies.ChatCompletion)
+COMPLETION_STREAM = (StreamedCompletion, replies.CompletionChunk)
+COMPLETION_BODY = (openai.types.Completion, replies.Completion)
 
 
 def chat(**options: Any) -> ChatEncoder:
@@ -246,7 +246,7 @@ def test_completion_echoed_prompt_logprobs() -> None:
     then = TokenLogprob(b" hi", -2.0, 3, (TopLogprob(b" hello", -1.0),))
     events: list[Event] = [TextDelta(0, "Say hi", (first, then), prompt=True)]
     (chunk,) = completion(logprobs=True).feed(events[0])
-    protocol.CompletionChunk.model_validate(chunk)
+    replies.CompletionChunk.model_validate(chunk)
     assert chunk["choices"][0]["logprobs"] == {
         "tokens": ["Say", " hi"],
         "token_logprobs": [None, -2.0],

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import ServerProcess
 from tests.sse import to_done
 from tokenmill.chat.tools import describe_tools
-from tokenmill.server.openai.protocol import ChatCompletion, ChatCompletionChunk
+from tokenmill.server.openai.replies import ChatCompletion, ChatCompletionChunk
 from tokenmill.server.openai.tools import Tool
 
 CHAT = "/v1/chat/completions"

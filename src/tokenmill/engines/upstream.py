@@ -3,7 +3,9 @@
 Chat requests (``messages``) go to ``{url}/chat/completions``, text prompts to
 ``{url}/completions``, always streamed, with ``stream_options.include_usage`` so the
 upstream reports what it really counted. Each SSE chunk's text is yielded the moment
-it arrives; nothing is buffered.
+it arrives; nothing is buffered. What the bodies and events look like (OpenAI's wire
+format) is :mod:`tokenmill.engines.upstream_wire`'s; this module owns the
+connection, the retries, the token counts and the relay into a stream.
 
 Retries: connect errors and 5xx answers are retried with backoff, but only before
 the upstream's first chunk (so before a byte of the completion reached the client);
@@ -38,9 +40,7 @@ import httpx
 
 from tokenmill.config import UpstreamDeployment
 from tokenmill.engines.base import (
-    ChatMessage,
     Chunk,
-    Constraint,
     EngineHealth,
     FinishReason,
     GenerationRequest,
@@ -49,20 +49,22 @@ from tokenmill.engines.base import (
     TokenizeRequest,
     TokenizerInfo,
     TokenLogprob,
-    ToolCallDelta,
-    TopLogprob,
     Usage,
     refuse_choices,
 )
 from tokenmill.engines.chunks import ChunkStream
-from tokenmill.errors import (
-    ContextLengthError,
-    EngineError,
-    InvalidRequestError,
-    OverloadedError,
-    TokenmillError,
-    UnavailableError,
+from tokenmill.engines.upstream_wire import (
+    FORWARDED_CONSTRAINTS,
+    answer_error,
+    choice_finish,
+    choice_logprobs,
+    choice_text,
+    choice_tool_calls,
+    event_error,
+    event_usage,
+    request_body,
 )
+from tokenmill.errors import EngineError, InvalidRequestError, TokenmillError
 
 if TYPE_CHECKING:
     from tokenmill.engines.llamacpp.vocab import GgufTokenizer
@@ -243,59 +245,6 @@ class UpstreamEngine:
             detail={"url": self.url, "failures": self.failures},
         )
 
-    def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
-        s = request.sampling
-        body: dict[str, Any] = {
-            "model": self.model,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-        }
-        if s.max_tokens > 0:
-            body["max_tokens"] = s.max_tokens
-        if s.stop:
-            body["stop"] = list(s.stop)
-        if s.seed is not None:
-            body["seed"] = s.seed
-        if s.frequency_penalty:
-            body["frequency_penalty"] = s.frequency_penalty
-        if s.presence_penalty:
-            body["presence_penalty"] = s.presence_penalty
-        # Not in OpenAI's API; llama-server, vLLM and tokenmill take them. Sent only
-        # when asked for, so strict upstreams never see them.
-        if s.top_k:
-            body["top_k"] = s.top_k
-        if s.min_p:
-            body["min_p"] = s.min_p
-        if s.repetition_penalty != 1.0:
-            body["repetition_penalty"] = s.repetition_penalty
-        if s.ignore_eos:
-            body["ignore_eos"] = True
-        # OpenAI's own fields: an upstream that lacks one refuses it, naming it.
-        if s.logit_bias:
-            body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
-        if s.constraint is not None:
-            body.update(constraint_fields(s.constraint))
-        if request.messages is not None:
-            body["messages"] = [_message(m) for m in request.messages]
-            if request.tools is not None:  # forwarded as sent
-                body["tools"] = json.loads(request.tools.tools)
-                if request.tools.choice is not None:
-                    body["tool_choice"] = json.loads(request.tools.choice)
-                if request.tools.parallel is not None:
-                    body["parallel_tool_calls"] = request.tools.parallel
-            if s.logprobs is not None:
-                body["logprobs"] = True
-                body["top_logprobs"] = s.logprobs
-            return "/chat/completions", body
-        # OpenAI's completions take a prompt as token ids too.
-        tokens = request.prompt_tokens
-        body["prompt"] = request.prompt if tokens is None else list(tokens)
-        if s.logprobs is not None:
-            body["logprobs"] = s.logprobs
-        return "/completions", body
-
     async def _open(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """Send the request; retry connect errors and 5xx (nothing was streamed yet)."""
         if self._client is None:
@@ -329,29 +278,8 @@ class UpstreamEngine:
             raw = await resp.aread()
         finally:
             await resp.aclose()
-        message = raw.decode("utf-8", "replace")[:500]
-        param = code = None
-        try:
-            err = json.loads(raw)["error"]
-            message, param, code = str(err.get("message")), err.get("param"), err.get("code")
-        except (ValueError, KeyError, TypeError, AttributeError):
-            pass
-        status = resp.status_code
-        self.failures += status >= 500
-        if status == 429:
-            retry = resp.headers.get("retry-after", "1")
-            return OverloadedError(
-                f"the upstream is overloaded: {message}",
-                retry_after=float(retry) if retry.replace(".", "", 1).isdigit() else 1.0,
-            )
-        if status == 400 and code == "context_length_exceeded":
-            return ContextLengthError(message, param=param)
-        if status in (400, 422):
-            return InvalidRequestError(f"the upstream refused the request: {message}", param=param)
-        if status == 503:
-            return UnavailableError(f"the upstream is unavailable: {message}")
-        # 401/403/404 mean the deployment is misconfigured, not that the client erred.
-        return EngineError(f"the upstream answered {status}: {message}")
+        self.failures += resp.status_code >= 500
+        return answer_error(resp.status_code, raw, resp.headers.get("retry-after"))
 
     def generate(self, request: GenerationRequest) -> ChunkStream:
         rid = request.request_id
@@ -399,7 +327,7 @@ class UpstreamEngine:
     async def _stream(
         self, request: GenerationRequest, state: _Running, stream: ChunkStream
     ) -> tuple[FinishReason, Usage | None]:
-        path, body = self._body(request)
+        path, body = request_body(request, self.model)
         finish: FinishReason | None = None
         usage: Usage | None = None
         resp = await self._open(path, body)
@@ -411,34 +339,25 @@ class UpstreamEngine:
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
-                if "error" in event:
-                    err = event["error"]
-                    msg = err.get("message") if isinstance(err, dict) else err
-                    raise EngineError(f"the upstream failed mid-stream: {msg}")
-                if event.get("usage"):
-                    u = event["usage"]
-                    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                    usage = Usage(
-                        int(u.get("prompt_tokens") or 0),
-                        int(u.get("completion_tokens") or 0),
-                        int(cached),
-                    )
+                failure = event_error(event)
+                if failure is not None:
+                    raise failure
+                usage = event_usage(event) or usage
                 for choice in event.get("choices") or ():
-                    calls = _tool_calls(choice)
+                    calls = choice_tool_calls(choice)
                     if calls:
                         for call in calls:
                             state.add(call.arguments)
                         stream.put(Chunk("", tool_calls=calls))
-                    text = _choice_text(choice)
+                    text = choice_text(choice)
                     logprobs: tuple[TokenLogprob, ...] = ()
                     if request.sampling.logprobs is not None and text:
-                        logprobs = _logprobs(choice.get("logprobs"), state.chars)
+                        logprobs = choice_logprobs(choice.get("logprobs"), state.chars)
                     if text:
                         state.add(text)
                         self.tokens_generated += 1
                         stream.put(Chunk(text, logprobs=logprobs))
-                    if choice.get("finish_reason"):
-                        finish = "length" if choice["finish_reason"] == "length" else "stop"
+                    finish = choice_finish(choice) or finish
         except httpx.HTTPError as e:
             raise EngineError(
                 f"the upstream connection failed mid-stream: {type(e).__name__}"
@@ -446,91 +365,3 @@ class UpstreamEngine:
         finally:
             await asyncio.shield(resp.aclose())
         return finish or "stop", usage
-
-
-def _logprobs(raw: Any, offset: int) -> tuple[TokenLogprob, ...]:
-    """The tokens of an upstream chunk (chat's shape or a completion's), at ``offset``.
-
-    Asked for and missing: the upstream ignored the field, and the answer must not.
-    """
-    if isinstance(raw, dict) and isinstance(raw.get("content"), list):
-        out = []
-        for e in raw["content"]:
-            piece = _piece(e)
-            top = tuple(TopLogprob(_piece(t), float(t["logprob"])) for t in e["top_logprobs"])
-            out.append(TokenLogprob(piece, float(e["logprob"]), offset, top))
-            offset += len(str(e["token"]))
-        return tuple(out)
-    if isinstance(raw, dict) and isinstance(raw.get("tokens"), list):
-        rows = zip(raw["tokens"], raw["token_logprobs"], raw["top_logprobs"], strict=True)
-        out = []
-        for token, logprob, top in rows:
-            ranked = sorted((top or {}).items(), key=lambda kv: -kv[1])
-            alternatives = tuple(TopLogprob(t.encode(), float(lp)) for t, lp in ranked)
-            out.append(TokenLogprob(str(token).encode(), float(logprob), offset, alternatives))
-            offset += len(str(token))
-        return tuple(out)
-    raise EngineError("the upstream sent no logprobs although they were asked for")
-
-
-def _piece(entry: dict[str, Any]) -> bytes:
-    raw = entry.get("bytes")
-    return bytes(raw) if isinstance(raw, list) else str(entry["token"]).encode()
-
-
-def _message(m: ChatMessage) -> dict[str, Any]:
-    """A message in OpenAI's shape, its tool calls and call id included."""
-    out: dict[str, Any] = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        out["content"] = m.content or None
-        out["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in m.tool_calls
-        ]
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    return out
-
-
-def _tool_calls(choice: dict[str, Any]) -> tuple[ToolCallDelta, ...]:
-    """The pieces of tool calls in a streamed chat choice (OpenAI's delta shape)."""
-    delta = choice.get("delta")
-    raw = delta.get("tool_calls") if isinstance(delta, dict) else None
-    if not isinstance(raw, list):
-        return ()
-    out = []
-    for i, call in enumerate(raw):
-        function = call.get("function") or {}
-        out.append(
-            ToolCallDelta(
-                index=int(call.get("index", i)),
-                id=call.get("id"),
-                name=function.get("name"),
-                arguments=str(function.get("arguments") or ""),
-            )
-        )
-    return tuple(out)
-
-
-def _choice_text(choice: dict[str, Any]) -> str:
-    delta = choice.get("delta")
-    if isinstance(delta, dict):
-        return str(delta.get("content") or "")
-    return str(choice.get("text") or "")
-
-
-# Constraints an upstream is sent: OpenAI's response_format, and llama-server's (and
-# vLLM's) GBNF ``grammar``.
-FORWARDED_CONSTRAINTS = frozenset({"json_object", "json_schema", "gbnf"})
-
-
-def constraint_fields(c: Constraint) -> dict[str, Any]:
-    """The request fields that ask an upstream for constraint ``c``."""
-    if c.kind == "json_object":
-        return {"response_format": {"type": "json_object"}}
-    if c.kind == "json_schema":
-        spec: dict[str, Any] = {"name": c.name or "output", "schema": json.loads(c.text)}
-        if c.strict is not None:
-            spec["strict"] = c.strict
-        return {"response_format": {"type": "json_schema", "json_schema": spec}}
-    return {"grammar": c.text}

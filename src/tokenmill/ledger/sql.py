@@ -9,6 +9,10 @@ between gateways are settled by the database, not by Python locks:
   ``held`` in the same transaction, so concurrent holds cannot overdraw;
 - a settle deletes the hold row with ``RETURNING``: whoever deletes it (the gateway,
   or the sweeper after that gateway died) settles, everyone else finds a receipt.
+
+A key's rate limits are counted in the same transactions by
+:mod:`~tokenmill.ledger.ratelimits`; rows read back as records through
+:mod:`~tokenmill.ledger.rows`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from tokenmill.errors import (
     InsufficientCreditError,
     InvalidRequestError,
     NotFoundError,
-    OverloadedError,
 )
+from tokenmill.ledger import rows
 from tokenmill.ledger.base import (
     ANONYMOUS_ACCOUNT,
     KEEP,
@@ -41,39 +45,14 @@ from tokenmill.ledger.base import (
     new_key,
 )
 from tokenmill.ledger.database import Clock, Database, Tx
+from tokenmill.ledger.ratelimits import admit_key, forget_before, give_back, window_of
 
-__all__ = ["RATE_WINDOW_S", "Clock", "SqlLedger", "Tx"]
+__all__ = ["Clock", "SqlLedger", "Tx"]
 
 log = logging.getLogger("tokenmill.ledger")
-RATE_WINDOW_S = 60
 # Holds per progress statement (3 parameters each): far above a gateway's open
 # streams, far below SQLite's 32,766 and PostgreSQL's 65,535 parameters a statement.
 PROGRESS_BATCH = 2000
-
-_ACCOUNT_COLS = "id, name, balance, held, unlimited, created, weight, max_concurrent"
-# A key with its account's scheduling: FROM _KEY_JOIN.
-_KEY_COLS = (
-    "k.id, k.account_id, k.rpm, k.tpm, k.created, k.revoked, k.priority, a.weight, a.max_concurrent"
-)
-_KEY_JOIN = "api_keys k JOIN accounts a ON a.id = k.account_id"
-_RECEIPT_COLS = (
-    "request_id, account_id, key_id, deployment, prompt_tokens, completion_tokens, "
-    "held, charged, finish_reason, created, settled"
-)
-
-
-def _account(row: Sequence[Any]) -> Account:
-    return Account(
-        row[0], row[1], int(row[2]), int(row[3]), bool(row[4]), float(row[5]),
-        float(row[6]), None if row[7] is None else int(row[7]),
-    )  # fmt: skip
-
-
-def _key(row: Sequence[Any]) -> KeyInfo:
-    return KeyInfo(
-        row[0], row[1], row[2], row[3], float(row[4]), row[5], row[6],
-        float(row[7]), None if row[8] is None else int(row[8]),
-    )  # fmt: skip
 
 
 def _check_scheduling(weight: float | Keep, max_concurrent: int | Keep | None) -> None:
@@ -86,13 +65,6 @@ def _check_scheduling(weight: float | Keep, max_concurrent: int | Keep | None) -
         raise InvalidRequestError(
             "'max_concurrent' must be at least 1 (or null: no cap)", param="max_concurrent"
         )
-
-
-def _receipt(row: Sequence[Any]) -> Receipt:
-    return Receipt(
-        row[0], row[1], row[2], row[3], int(row[4]), int(row[5]), int(row[6]), int(row[7]),
-        row[8], float(row[9]), float(row[10]),
-    )  # fmt: skip
 
 
 class SqlLedger(Database):
@@ -159,18 +131,20 @@ class SqlLedger(Database):
 
     async def get_account(self, account_id: str) -> Account | None:
         row = await self._run(
-            lambda tx: tx.one(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
+            lambda tx: tx.one(
+                f"SELECT {rows.ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,)
+            )
         )
-        return None if row is None else _account(row)
+        return None if row is None else rows.account(row)
 
     async def add_credits(self, account_id: str, amount: int) -> Account:
         def tx_fn(tx: Tx) -> Account:
             row = tx.one(
-                f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE id = ?{self.lock}", (account_id,)
+                f"SELECT {rows.ACCOUNT_COLS} FROM accounts WHERE id = ?{self.lock}", (account_id,)
             )
             if row is None:
                 raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
-            acc = _account(row)
+            acc = rows.account(row)
             if acc.balance + amount < 0:
                 raise InvalidRequestError(
                     f"cannot remove {-amount} micro-units: the balance is {acc.balance}",
@@ -181,8 +155,8 @@ class SqlLedger(Database):
                 "INSERT INTO credits (account_id, amount, created) VALUES (?, ?, ?)",
                 (account_id, amount, self.clock()),
             )
-            return _account(
-                tx.one(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
+            return rows.account(
+                tx.one(f"SELECT {rows.ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
             )
 
         return await self._run(tx_fn)
@@ -210,8 +184,8 @@ class SqlLedger(Database):
                 tx.run(
                     f"UPDATE accounts SET {columns} WHERE id = ?", (*changes.values(), account_id)
                 )
-            return _account(
-                tx.one(f"SELECT {_ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
+            return rows.account(
+                tx.one(f"SELECT {rows.ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
             )
 
         return await self._run(tx_fn)
@@ -236,7 +210,9 @@ class SqlLedger(Database):
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (key_id, account_id, hash_key(plaintext), rpm, tpm, self.clock(), priority),
             )
-            return _key(tx.one(f"SELECT {_KEY_COLS} FROM {_KEY_JOIN} WHERE k.id = ?", (key_id,)))
+            return rows.key(
+                tx.one(f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.id = ?", (key_id,))
+            )
 
         return await self._run(tx_fn), plaintext
 
@@ -244,16 +220,16 @@ class SqlLedger(Database):
         digest = hash_key(plaintext)
         row = await self._run(
             lambda tx: tx.one(
-                f"SELECT {_KEY_COLS} FROM {_KEY_JOIN} WHERE k.key_hash = ?", (digest,)
+                f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.key_hash = ?", (digest,)
             )
         )
-        return None if row is None else _key(row)
+        return None if row is None else rows.key(row)
 
     async def set_key_priority(self, key_id: str, priority: KeyPriority) -> KeyInfo | None:
         def tx_fn(tx: Tx) -> KeyInfo | None:
             tx.run("UPDATE api_keys SET priority = ? WHERE id = ?", (priority, key_id))
-            row = tx.one(f"SELECT {_KEY_COLS} FROM {_KEY_JOIN} WHERE k.id = ?", (key_id,))
-            return None if row is None else _key(row)
+            row = tx.one(f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.id = ?", (key_id,))
+            return None if row is None else rows.key(row)
 
         return await self._run(tx_fn)
 
@@ -263,8 +239,8 @@ class SqlLedger(Database):
                 "UPDATE api_keys SET revoked = ? WHERE id = ? AND revoked IS NULL",
                 (self.clock(), key_id),
             )
-            row = tx.one(f"SELECT {_KEY_COLS} FROM {_KEY_JOIN} WHERE k.id = ?", (key_id,))
-            return None if row is None else _key(row)
+            row = tx.one(f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.id = ?", (key_id,))
+            return None if row is None else rows.key(row)
 
         return await self._run(tx_fn)
 
@@ -289,9 +265,9 @@ class SqlLedger(Database):
                 param="x-request-id",
                 code="duplicate_request_id",
             )
-        window = int(now // RATE_WINDOW_S)
+        window = window_of(now)
         if spec.key_id is not None:
-            self._check_key(tx, spec, now, window)
+            admit_key(tx, spec, now, window)
         if not unlimited:
             available = balance - held
             if spec.amount > available:
@@ -338,50 +314,6 @@ class SqlLedger(Database):
                 [*params, self.gateway_id],
             )
 
-    def _check_key(self, tx: Tx, spec: HoldSpec, now: float, window: int) -> None:
-        key = tx.one("SELECT rpm, tpm, revoked FROM api_keys WHERE id = ?", (spec.key_id,))
-        if key is None or key[2] is not None:
-            raise AuthenticationError("this API key has been revoked")
-        rpm, tpm = key[0], key[1]
-        if rpm is None and tpm is None:
-            return
-        tokens = spec.prompt_tokens + spec.max_tokens
-        if tpm is not None and tokens > tpm:
-            # No amount of waiting lets this request through: not a 429 to retry.
-            raise InvalidRequestError(
-                f"this request needs up to {tokens} tokens ({spec.prompt_tokens} of prompt "
-                f"+ max_tokens {spec.max_tokens}) but this key may use {tpm} tokens per "
-                "minute; lower max_tokens or shorten the prompt",
-                param="max_tokens",
-                code="request_too_large",
-            )
-        used = tx.one(
-            "SELECT requests, tokens FROM rate_windows WHERE key_id = ? AND rate_window = ?",
-            (spec.key_id, window),
-        )
-        used_requests, used_tokens = (int(used[0]), int(used[1])) if used else (0, 0)
-        retry_after = (window + 1) * RATE_WINDOW_S - now
-        if rpm is not None and used_requests + 1 > rpm:
-            raise OverloadedError(
-                f"rate limit reached: this key may make {rpm} requests per minute",
-                retry_after=retry_after,
-                code="rate_limit_exceeded",
-            )
-        if tpm is not None and used_tokens + tokens > tpm:
-            raise OverloadedError(
-                f"rate limit reached: this key may use {tpm} tokens per minute "
-                f"(in flight and used: {used_tokens}; this request: up to {tokens}; "
-                "lower max_tokens or wait)",
-                retry_after=retry_after,
-                code="rate_limit_exceeded",
-            )
-        tx.run(
-            "INSERT INTO rate_windows (key_id, rate_window, requests, tokens) VALUES (?, ?, 1, ?) "
-            "ON CONFLICT (key_id, rate_window) DO UPDATE SET "
-            "requests = rate_windows.requests + 1, tokens = rate_windows.tokens + ?",
-            (spec.key_id, window, tokens, tokens),
-        )
-
     async def settle(
         self,
         request_id: str,
@@ -412,9 +344,9 @@ class SqlLedger(Database):
         )
         if row is None:  # settled already (or never held): exactly once
             existing = tx.one(
-                f"SELECT {_RECEIPT_COLS} FROM receipts WHERE request_id = ?", (request_id,)
+                f"SELECT {rows.RECEIPT_COLS} FROM receipts WHERE request_id = ?", (request_id,)
             )
-            return None if existing is None else _receipt(existing)
+            return None if existing is None else rows.receipt(existing)
         account_id, key_id, deployment = row[0], row[1], row[2]
         max_tokens, amount, window, created = int(row[3]), int(row[4]), int(row[5]), row[6]
         charged = max(0, min(charged, amount))
@@ -425,18 +357,13 @@ class SqlLedger(Database):
                 (charged, amount, account_id),
             )
         if key_id is not None:
-            # The window counted prompt + max_tokens in flight; keep only what was used.
-            unused = max(0, max_tokens - completion_tokens)
-            tx.run(
-                "UPDATE rate_windows SET tokens = tokens - ? WHERE key_id = ? AND rate_window = ?",
-                (unused, key_id, window),
-            )
+            give_back(tx, key_id, window, max(0, max_tokens - completion_tokens))
         receipt = Receipt(
             request_id, account_id, key_id, deployment, prompt_tokens, completion_tokens,
             amount, charged, finish_reason, float(created), self.clock(),
         )  # fmt: skip
         tx.run(
-            f"INSERT INTO receipts ({_RECEIPT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO receipts ({rows.RECEIPT_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 receipt.request_id, receipt.account_id, receipt.key_id, receipt.deployment,
                 receipt.prompt_tokens, receipt.completion_tokens, receipt.held,
@@ -448,20 +375,20 @@ class SqlLedger(Database):
     async def receipt(self, request_id: str) -> Receipt | None:
         row = await self._run(
             lambda tx: tx.one(
-                f"SELECT {_RECEIPT_COLS} FROM receipts WHERE request_id = ?", (request_id,)
+                f"SELECT {rows.RECEIPT_COLS} FROM receipts WHERE request_id = ?", (request_id,)
             )
         )
-        return None if row is None else _receipt(row)
+        return None if row is None else rows.receipt(row)
 
     async def usage(self, account_id: str, limit: int = 100) -> list[Receipt]:
-        rows = await self._run(
+        found = await self._run(
             lambda tx: tx.all(
-                f"SELECT {_RECEIPT_COLS} FROM receipts WHERE account_id = ? "
+                f"SELECT {rows.RECEIPT_COLS} FROM receipts WHERE account_id = ? "
                 "ORDER BY settled DESC LIMIT ?",
                 (account_id, limit),
             )
         )
-        return [_receipt(r) for r in rows]
+        return [rows.receipt(r) for r in found]
 
     async def open_holds(self, account_id: str | None = None) -> int:
         if account_id is None:
@@ -514,7 +441,7 @@ class SqlLedger(Database):
                     request_id,
                     receipt.completion_tokens,
                 )
-        old_window = int(self.clock() // RATE_WINDOW_S) - 1
+        old_window = window_of(self.clock()) - 1
 
         def tidy(tx: Tx) -> None:
             tx.run(
@@ -522,7 +449,7 @@ class SqlLedger(Database):
                 "(SELECT 1 FROM holds WHERE holds.gateway_id = gateways.id)",
                 (cutoff, self.gateway_id),
             )
-            tx.run("DELETE FROM rate_windows WHERE rate_window < ?", (old_window,))
+            forget_before(tx, old_window)
             # Stored responses past their retention (tokenmill.ledger.responses).
             tx.run("DELETE FROM responses WHERE expires <= ?", (self.clock(),))
 

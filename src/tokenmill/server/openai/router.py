@@ -22,18 +22,20 @@ from tokenmill.gateway import Deployment, Gateway, requested_priority
 from tokenmill.server.intake import deployment_by_id, parse_body, ready_gateway
 from tokenmill.server.openai import embeddings, tokenizing
 from tokenmill.server.openai.protocol import (
-    ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    Completion,
-    CompletionChunk,
     CompletionRequest,
     DetokenizeBody,
-    Detokenized,
     Message,
     PredictRequest,
     SamplingFields,
     TokenizeBody,
+)
+from tokenmill.server.openai.replies import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    Detokenized,
     Tokenized,
     TokenizerInfoBody,
 )

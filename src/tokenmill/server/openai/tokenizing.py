@@ -8,13 +8,8 @@ import dataclasses
 
 from tokenmill.engines import TokenizeRequest
 from tokenmill.gateway import Deployment
-from tokenmill.server.openai.protocol import (
-    DetokenizeBody,
-    Detokenized,
-    TokenizeBody,
-    Tokenized,
-    TokenizerInfoBody,
-)
+from tokenmill.server.openai.protocol import DetokenizeBody, TokenizeBody
+from tokenmill.server.openai.replies import Detokenized, Tokenized, TokenizerInfoBody
 
 
 async def tokenize(deployment: Deployment, body: TokenizeBody) -> Tokenized:

@@ -2,7 +2,8 @@
 ``tool_choice``, the ``tool_calls`` of an assistant turn, and the shapes of the calls
 that come back (whole, and as stream deltas).
 
-Imported by :mod:`tokenmill.server.openai.protocol`, so it imports nothing of it.
+Imported by :mod:`tokenmill.server.openai.protocol` and
+:mod:`~tokenmill.server.openai.replies`, so it imports nothing of them.
 Each model says what it is to the generation core (:mod:`tokenmill.chat.request`);
 what the fields mean to generation is :mod:`tokenmill.chat.tools`' business.
 """
