@@ -17,3 +17,6 @@ class Counters:
     steps: int = 0  # llama_decode calls of the step loop
     kv_copies: int = 0  # KV streams copied from slot to slot (parking, prefixes, n)
     warmups: int = 0  # next turns computed ahead (see KvSlots.warm)
+    pool_evictions: int = 0  # free slots' cached cells given up for room in the pool
+    preemptions: int = 0  # running choices swapped out of a full pool
+    resumes: int = 0  # swapped-out choices back in the pool
