@@ -90,8 +90,10 @@ class KvSlots:
         if not tier.fits(len(held) * self.context.bytes_per_token):
             return
         state = self.context.save_seq(index)
-        if state is not None:
-            tier.park(held, state, len(state), now=time.monotonic())
+        if state is None:
+            return
+        if tier.park(held, state, len(state), now=time.monotonic()) is not None:
+            self.counters.kv_copies += 1
 
     # -- placements ------------------------------------------------------------------
 
@@ -135,6 +137,7 @@ class KvSlots:
             self.park(dest, entry.tokens[:keep])
             plan = replace(plan, copy_from=None, copy_tokens=0, keep=keep)
             if context.restore_seq(dest, entry.state):
+                self.counters.kv_copies += 1
                 self.cache.restore(dest, entry.tokens)
                 whole = keep >= len(entry.tokens)
                 tier.restored(match.key, reused=keep, now=time.monotonic(), whole=whole)
