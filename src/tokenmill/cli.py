@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from tokenmill.config import (
     DEFAULT_DEPLOYMENT_ID,
     ConfigError,
@@ -30,6 +32,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "ray_address": getattr(args, "ray_address", None),
     }
     settings = load_settings(args.config, overrides)
+    # The one model's KV knobs (--n-ctx, --max-num-seqs, --kv-host-bytes).
+    sizes = {
+        key: value
+        for key in ("n_ctx", "max_num_seqs", "kv_host_bytes")
+        if (value := getattr(args, key, None)) is not None
+    }
     if args.model is not None:
         if settings.deployments:
             raise ConfigError("--model serves one model; do not combine it with --config")
@@ -37,7 +45,21 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             raise ConfigError(f"--model: file not found: {args.model}")
         dep = LlamaCppDeployment(id=args.name or args.model.stem, model=args.model)
         settings = settings.model_copy(update={"deployments": [dep]})
-    return settings.with_default_deployment()
+    elif sizes and settings.deployments:
+        raise ConfigError(
+            "--n-ctx, --max-num-seqs and --kv-host-bytes size the one model of the command "
+            "line; with --config set them in its [[deployments]] tables"
+        )
+    settings = settings.with_default_deployment()
+    if sizes:
+        (only,) = settings.deployments
+        try:
+            sized = LlamaCppDeployment.model_validate({**only.model_dump(), **sizes})
+        except ValidationError as e:
+            flags = ", ".join(f"--{k.replace('_', '-')}" for k in sizes)
+            raise ConfigError(f"{flags}: {e.errors()[0]['msg']}") from None
+        settings = settings.model_copy(update={"deployments": [sized]})
+    return settings
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -90,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", type=Path, help="serve this GGUF file instead of the default")
     serve.add_argument(
         "--name", help=f"deployment id for --model (default: file stem; '{DEFAULT_DEPLOYMENT_ID}')"
+    )
+    serve.add_argument(
+        "--n-ctx",
+        type=int,
+        help="tokens one sequence may hold (default: the model's trained context)",
+    )
+    serve.add_argument("--max-num-seqs", type=int, help="sequences a replica runs at once (16)")
+    serve.add_argument(
+        "--kv-host-bytes",
+        type=int,
+        help="host memory for parked KV sequences, in bytes (default: a quarter of the "
+        "memory available, at most 8 GiB; 0: none)",
     )
     serve.add_argument("--log-level", default=None, help="debug, info, warning")
     serve.add_argument(

@@ -222,11 +222,38 @@ class LlamaCppDeployment(ReplicatedDeployment):
     # busy processes share the cores, threads that wait for each other at every barrier
     # lose to one (see tokenmill.engines.llamacpp.threads). false: always n_threads.
     adapt_threads: bool = True
+    # Tokens one sequence may hold (prompt and completion); 0: the model's trained
+    # context (8,192 for the embedded SmolLM2), at most 32,768.
+    n_ctx: int = Field(default=0, ge=0)
+    # KV cells of a replica, all its slots together (docs/operations.md). Unset: 2,048 a
+    # slot, or n_ctx if more. Below max_num_seqs x n_ctx the slots share one pool.
+    kv_pool_tokens: int | None = Field(default=None, ge=64)
+    # Host memory for sequences parked from reassigned slots, in bytes. Unset: a
+    # quarter of the memory available at start, at most 8 GiB; 0: no host tier.
+    kv_host_bytes: int | None = Field(default=None, ge=0)
 
     def ray_cpus(self) -> float:
         if self.ray_num_cpus is not None:
             return self.ray_num_cpus
         return float(self.n_threads or 1)
+
+    @field_validator("n_ctx")
+    @classmethod
+    def _n_ctx_or_model(cls, v: int) -> int:
+        if 0 < v < 64:
+            raise ValueError("n_ctx must be at least 64 (or 0: the model's trained context)")
+        return v
+
+    @field_validator("kv_pool_tokens")
+    @classmethod
+    def _pool_holds_a_context(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n_ctx = info.data.get("n_ctx")
+        if v is not None and n_ctx and v < n_ctx:
+            raise ValueError(
+                f"kv_pool_tokens = {v} is less than n_ctx = {n_ctx}: one sequence could "
+                "never use its whole context. Raise kv_pool_tokens or lower n_ctx"
+            )
+        return v
 
     @field_validator("model")
     @classmethod

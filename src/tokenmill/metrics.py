@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenmill import stages
@@ -51,6 +51,19 @@ STAGE_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
     0.25, 0.5, 1.0, 2.5, 10.0,
 )  # fmt: skip
+# A llama.cpp replica's KV pool and host tier, by its health().kv key (docs/operations.md).
+KV_SERIES: dict[str, tuple[str, str]] = {
+    "pool_tokens": ("gauge", "KV cells of the replica's pool."),
+    "pool_used_tokens": ("gauge", "KV cells of the pool holding tokens (running or cached)."),
+    "host_bytes": ("gauge", "Bytes of KV sequences parked in host memory."),
+    "host_capacity_bytes": ("gauge", "The host tier's bound in bytes (kv_host_bytes)."),
+    "host_entries": ("gauge", "Sequences parked in host memory as a cache."),
+    "host_parks": ("counter", "Sequences parked in host memory."),
+    "host_hits": ("counter", "Prompts whose longest cached prefix was parked in host memory."),
+    "host_restores": ("counter", "Parked sequences restored into a slot (hits and resumes)."),
+    "host_evictions": ("counter", "Parked sequences dropped, least recently used, for room."),
+    "preemptions": ("counter", "Running sequences swapped out of a full KV pool."),
+}
 QUEUE_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -304,6 +317,26 @@ class _LoadCollector(Collector):
             families[1].add_metric([dep_id], waiting)
             families[2].add_metric([dep_id], sum(usage) / len(usage) if usage else 0.0)
         yield from families
+        yield from self._kv_families()
+
+    def _kv_families(self) -> Iterator[Metric]:
+        """Every llama.cpp replica's KV pool and host-memory tier (``health().kv``)."""
+        families = {
+            name: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                f"tokenmill_kv_{name}", doc, labels=["deployment", "replica"]
+            )
+            for name, (kind, doc) in KV_SERIES.items()
+        }
+        for dep_id, dep in self.gateway.deployments.items():
+            for replica in dep.replicas:
+                try:
+                    kv = replica.host.health().kv
+                except Exception:  # an unloaded or crashed replica: nothing to report
+                    continue
+                for name, family in families.items():
+                    if name in kv:
+                        family.add_metric([dep_id, str(replica.index)], kv[name])
+        yield from families.values()
 
     @staticmethod
     def _families() -> list[GaugeMetricFamily]:

@@ -306,6 +306,9 @@ class EngineHealth:
     # Threads the last decode step used (engines that run the model here; else None).
     threads: int | None = None
     detail: dict[str, object] = field(default_factory=dict)
+    # The KV pool and host-memory tier of engines that have them (llama.cpp's
+    # kv_stats(): cells, bytes, entries, counters), for the deployment's describe.
+    kv: dict[str, int] = field(default_factory=dict)
 
 
 @runtime_checkable

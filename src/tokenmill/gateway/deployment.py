@@ -92,6 +92,8 @@ class Replica:
             "prefill_ms_per_token": _ms(self.speed.prefill_s),
             "decode_ms_per_token": _ms(self.speed.decode_s),
         }
+        if h.kv:  # llama.cpp: its KV pool and host-memory tier (docs/operations.md)
+            out["kv"] = h.kv
         if self.host.kind == "ray":
             out["node_id"] = where.node_id
             out["node_address"] = where.node_address

@@ -160,6 +160,8 @@ def engine_status(engine: Engine) -> dict[str, Any]:
         "context_length": (
             engine.context_length() if isinstance(engine, TokenizingEngine) else None
         ),
+        # The KV pool and host-memory tier (llama.cpp), for the deployment's describe.
+        "kv": h.kv,
     }
 
 

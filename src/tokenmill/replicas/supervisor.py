@@ -158,6 +158,7 @@ class SupervisedHost:
             kv_cache_usage=float(s.get("kv_cache_usage", 0.0)),
             threads=s.get("threads"),
             detail={"restarts": self._restarts},
+            kv={str(k): int(v) for k, v in (s.get("kv") or {}).items()},
         )
 
     # -- lifecycle ------------------------------------------------------------------

@@ -11,7 +11,13 @@ import collections
 
 from tokenmill.engines.llamacpp.choices import Choice, Group
 
-__all__ = ["RequestQueue"]
+__all__ = ["RequestQueue", "pool_cells"]
+
+
+def pool_cells(group: Group) -> int:
+    """KV cells a request takes once its prompts are in: every choice's prompt and
+    the first token it samples."""
+    return sum(len(seq.prompt) + 1 for seq in group.members)
 
 
 class RequestQueue:
@@ -29,11 +35,18 @@ class RequestQueue:
     def push(self, group: Group) -> None:
         self._queued.append(group)
 
-    def admit(self, free: int, *, now: float) -> list[Choice]:
+    def admit(self, free: int, *, now: float, cells: int | None = None) -> list[Choice]:
         """The choices of the requests at the head of the queue that ``free`` slots
-        hold whole; each admitted request is marked ``now``."""
+        hold whole; each admitted request is marked ``now``. ``cells``: KV cells the
+        requests may take (a shared pool), which each one's prompts, a cell a choice
+        more, must fit; the first always does when nothing runs."""
         admitted: list[Choice] = []
         while self._queued and free >= len(self._queued[0].members):
+            if cells is not None:
+                need = pool_cells(self._queued[0])
+                if need > cells and (admitted or self._admitted):
+                    break
+                cells -= need
             group = self._queued.popleft()
             group.marks.append(now)
             self._admitted[group.request_id] = group

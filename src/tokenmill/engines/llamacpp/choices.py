@@ -64,6 +64,9 @@ class Choice:
     # A chat's answer: what its template writes before the next user message, as
     # tokens (see the next-turn warm-up in slotcache.py); empty for anything else.
     next_turn: tuple[int, ...] = ()
+    # Swapped out of a full KV pool: the key of its cells parked in host memory, until
+    # it resumes (its slot stays its own meanwhile).
+    swapped: int | None = None
 
     @property
     def prefilled(self) -> bool:

@@ -24,20 +24,61 @@ import numpy as np
 from tokenmill.engines.llamacpp.vocab import Vocab, init_backend, model_params
 from tokenmill.errors import EngineError
 
-__all__ = ["LlamaContext"]
+__all__ = ["DEFAULT_MAX_N_CTX", "POOL_TOKENS_PER_SLOT", "LlamaContext", "kv_bytes_per_token"]
 
 log = logging.getLogger("tokenmill.engines.llamacpp")
 
+# The pool's default size: this many cells per slot (what every slot owned before the
+# pool: the same memory, 16 x 2048 cells, 720 MiB of f16 cells for SmolLM2-135M), or
+# one whole context if that is more.
+POOL_TOKENS_PER_SLOT = 2048
+# n_ctx's default is the model's trained context, at most this: a model trained on
+# 128k tokens would otherwise take a pool of that many cells by default.
+DEFAULT_MAX_N_CTX = 32768
+# Memory a loaded model needs beside its weights and KV cells (compute buffers, the
+# batch, the process): kept free when checking that a pool fits.
+HEADROOM_BYTES = 512 << 20
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of f16 keys and values one token takes in every layer of ``model``."""
+    n_head = max(1, ll.llama_model_n_head(model))
+    head_dim = ll.llama_model_n_embd(model) // n_head
+    n_head_kv = ll.llama_model_n_head_kv(model) or n_head
+    return int(ll.llama_model_n_layer(model)) * 2 * int(n_head_kv) * int(head_dim) * 2
+
+
+def mem_available() -> int | None:
+    """Bytes of memory the kernel says are available (None where it does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
 
 class LlamaContext:
-    """A model loaded for ``n_slots`` sequences of ``n_ctx_seq`` tokens each.
+    """A model loaded for ``n_slots`` sequences of up to ``n_ctx_seq`` tokens each
+    (0: the model's trained context, at most ``DEFAULT_MAX_N_CTX``), in a pool of
+    ``pool_tokens`` KV cells (None: ``POOL_TOKENS_PER_SLOT`` a slot, at least one
+    context); see the module docstring.
 
     ``batch_size`` bounds the tokens of one decode (the step's prefill chunk plus a
     token for every slot).
     """
 
     def __init__(
-        self, path: Path, *, n_slots: int, n_ctx_seq: int, n_threads: int, batch_size: int
+        self,
+        path: Path,
+        *,
+        n_slots: int,
+        n_ctx_seq: int,
+        n_threads: int,
+        batch_size: int,
+        pool_tokens: int | None = None,
     ) -> None:
         if not path.is_file():
             raise EngineError(f"model file not found: {path}")
@@ -45,14 +86,20 @@ class LlamaContext:
         model = ll.llama_model_load_from_file(str(path).encode(), model_params())
         if not model:
             raise EngineError(f"llama.cpp could not load {path}")
+        try:
+            n_ctx, pool = self._sizes(model, n_slots, n_ctx_seq, pool_tokens)
+        except EngineError:
+            ll.llama_model_free(model)
+            raise
+        self.unified = pool < n_ctx * n_slots
         cparams = ll.llama_context_default_params()
-        cparams.n_ctx = n_ctx_seq * n_slots
+        cparams.n_ctx = pool if self.unified else n_ctx * n_slots
         cparams.n_seq_max = n_slots
         cparams.n_batch = batch_size
         cparams.n_ubatch = batch_size
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
-        cparams.kv_unified = False
+        cparams.kv_unified = self.unified
         cparams.no_perf = True
         ctx = ll.llama_init_from_model(model, cparams)
         if not ctx:
@@ -62,13 +109,44 @@ class LlamaContext:
         self._ctx: Any = ctx
         self.vocab = Vocab(model)
         self._mem: Any = ll.llama_get_memory(ctx)
-        self.n_ctx_seq: int = ll.llama_n_ctx_seq(ctx)
+        # The most tokens one sequence holds, and the pool's cells (llama.cpp may round
+        # its context up).
+        self.n_ctx_seq: int = n_ctx if self.unified else ll.llama_n_ctx_seq(ctx)
+        self.pool_tokens: int = ll.llama_n_ctx(ctx)
+        self.bytes_per_token = kv_bytes_per_token(model)
         self.batch: Any = ll.llama_batch_init(batch_size, 0, 1)
         self.batch_cap = batch_size
         self.threads = n_threads  # what the last decode used
         self.decoded_at = 0.0  # when the last llama_decode returned
         self.decoding_since: float | None = None  # set while llama_decode runs
         self.copies_queued = False  # a seq_cp waits for the next decode (see copy_seq)
+
+    @staticmethod
+    def _sizes(
+        model: Any, n_slots: int, n_ctx_seq: int, pool_tokens: int | None
+    ) -> tuple[int, int]:
+        """(tokens a sequence may hold, cells of the pool); an EngineError naming the
+        key when the pool would not fit in the memory available."""
+        n_ctx = n_ctx_seq or min(int(ll.llama_model_n_ctx_train(model)), DEFAULT_MAX_N_CTX)
+        pool = pool_tokens or max(n_ctx, n_slots * POOL_TOKENS_PER_SLOT)
+        if pool < n_ctx:
+            raise EngineError(
+                f"kv_pool_tokens = {pool} is less than n_ctx = {n_ctx}: one sequence "
+                "could never use its whole context. Raise kv_pool_tokens or lower n_ctx"
+            )
+        cells = pool if pool < n_ctx * n_slots else n_ctx * n_slots
+        need = cells * kv_bytes_per_token(model) + int(ll.llama_model_size(model))
+        available = mem_available()
+        if available is not None and need + HEADROOM_BYTES > available:
+            key = "kv_pool_tokens" if pool_tokens else "n_ctx"
+            value = pool if pool_tokens else n_ctx
+            raise EngineError(
+                f"{key} = {value} needs {cells} KV cells ({need / 2**30:.1f} GiB with "
+                f"the model), more than the {available / 2**30:.1f} GiB of memory "
+                f"available: lower {key}"
+                + ("" if pool_tokens else " (or max_num_seqs, or set kv_pool_tokens)")
+            )
+        return n_ctx, pool
 
     def close(self) -> None:
         if self.batch is not None:
@@ -150,6 +228,32 @@ class LlamaContext:
             log.warning("llama.cpp refused slot %d's state for slot %d: copying", src, dst)
         ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
         self.copies_queued = True
+
+    def save_seq(self, slot: int) -> bytearray | None:
+        """Slot ``slot``'s KV cells as llama.cpp's sequence state (to park them in host
+        memory); None if llama.cpp gives none."""
+        ctx = self._ctx
+        size = ll.llama_state_seq_get_size(ctx, slot)
+        if not size:
+            return None
+        data = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(data)
+        written = ll.llama_state_seq_get_data(ctx, buf, size, slot)
+        del buf  # the bytearray can be resized only once no view of it is left
+        if not written:
+            return None
+        del data[written:]
+        return data
+
+    def restore_seq(self, slot: int, state: bytearray) -> bool:
+        """Replace slot ``slot``'s KV cells by a saved sequence state; False (the slot
+        then holds nothing) if llama.cpp cannot place it."""
+        buf = (ctypes.c_uint8 * len(state)).from_buffer(state)
+        done = bool(ll.llama_state_seq_set_data(self._ctx, buf, len(state), slot) == len(state))
+        del buf
+        if not done:
+            ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
+        return done
 
     def drop(self, slot: int, start: int) -> bool:
         """Drop ``slot``'s KV cells from position ``start`` on (-1: all of them);

@@ -15,5 +15,9 @@ __all__ = ["Counters"]
 class Counters:
     tokens_generated: int = 0  # completion tokens sampled, every request together
     steps: int = 0  # llama_decode calls of the step loop
-    kv_copies: int = 0  # KV streams copied from slot to slot (parking, prefixes, n)
+    # KV streams copied: slot to slot (parking, prefixes, n), to and from host memory
+    kv_copies: int = 0
     warmups: int = 0  # next turns computed ahead (see KvSlots.warm)
+    pool_evictions: int = 0  # free slots' cached cells given up for room in the pool
+    preemptions: int = 0  # running choices swapped out of a full pool
+    resumes: int = 0  # swapped-out choices back in the pool

@@ -36,10 +36,11 @@ from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
 from tokenmill.engines.llamacpp.choices import Choice, build_group
-from tokenmill.engines.llamacpp.context import LlamaContext
+from tokenmill.engines.llamacpp.context import LlamaContext, mem_available
 from tokenmill.engines.llamacpp.counters import Counters
 from tokenmill.engines.llamacpp.embedder import Embedder
 from tokenmill.engines.llamacpp.grammar import GrammarCache
+from tokenmill.engines.llamacpp.hosttier import HostTier
 from tokenmill.engines.llamacpp.intake import NextTurns, prompt_tokens
 from tokenmill.engines.llamacpp.kvslots import KvSlots
 from tokenmill.engines.llamacpp.loop import PREFILL_CHUNK, DecodeLoop
@@ -54,6 +55,30 @@ __all__ = ["LlamaCppEngine"]
 log = logging.getLogger("tokenmill.engines.llamacpp")
 
 
+# The host tier's default size: a quarter of the memory available when the model is
+# loaded, at most llama-server's --cache-ram default (8 GiB).
+HOST_TIER_MAX_DEFAULT = 8 << 30
+HOST_TIER_SHARE = 4
+
+
+def host_tier_bytes(configured: int | None, context: LlamaContext) -> int:
+    """The host tier's capacity: ``configured`` (``kv_host_bytes``; None: the default,
+    0: off), checked to hold one whole sequence, whose bytes it must be able to park;
+    an EngineError naming the key otherwise. A default too small for one is 0 (off)."""
+    one = context.n_ctx_seq * context.bytes_per_token
+    if configured is None:
+        available = mem_available() or 0
+        default = min(HOST_TIER_MAX_DEFAULT, available // HOST_TIER_SHARE)
+        return default if default >= one else 0
+    if 0 < configured < one:
+        raise EngineError(
+            f"kv_host_bytes = {configured} cannot hold one sequence: {context.n_ctx_seq} "
+            f"tokens (n_ctx) of this model take {one} bytes. Set at least {one}, or 0 "
+            "to turn the host-memory tier off"
+        )
+    return configured
+
+
 class _Loaded:
     """What one ``start()`` makes and ``close()`` frees: the model and its loop."""
 
@@ -65,8 +90,15 @@ class _Loaded:
             n_ctx_seq=engine.n_ctx_seq,
             n_threads=engine.n_threads,
             batch_size=max(PREFILL_CHUNK + n_slots, 512),
+            pool_tokens=engine.kv_pool_tokens,
         )
         context = self.context
+        try:
+            capacity = host_tier_bytes(engine.kv_host_bytes, context)
+        except EngineError:
+            context.close()
+            raise
+        self.tier: HostTier[bytearray] = HostTier(capacity)
         self.cache: SlotCache[Choice] = SlotCache(n_slots, context.n_ctx_seq)
         published = engine.published_cache
         published.reset()  # every slot starts empty
@@ -81,7 +113,7 @@ class _Loaded:
         )
         self.loop = DecodeLoop(
             context,
-            KvSlots(context, self.cache, engine.counters),
+            KvSlots(context, self.cache, engine.counters, self.tier),
             cv=cv,
             post=engine._post,
             counters=engine.counters,
@@ -108,13 +140,19 @@ class LlamaCppEngine:
         model_path: str | Path | None = None,
         *,
         max_num_seqs: int = 16,
-        n_ctx: int = 2048,
+        n_ctx: int = 0,
         n_threads: int | None = None,
         adapt_threads: bool = True,
+        kv_host_bytes: int | None = None,
+        kv_pool_tokens: int | None = None,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
         self.max_num_seqs = max_num_seqs
+        # 0: the model's trained context (known once it is loaded).
         self.n_ctx_seq = n_ctx
+        # None: a default from the host's memory (see host_tier_bytes); 0: no tier.
+        self.kv_host_bytes = kv_host_bytes
+        self.kv_pool_tokens = kv_pool_tokens
         self.n_threads = n_threads or available_cpus()
         # Fewer threads when the cores are shared with other busy work (see threads.py).
         self._tuner = ThreadTuner(self.n_threads) if adapt_threads else None
@@ -149,6 +187,8 @@ class LlamaCppEngine:
             n_ctx=config.n_ctx,
             n_threads=n_threads,
             adapt_threads=config.adapt_threads,
+            kv_host_bytes=config.kv_host_bytes,
+            kv_pool_tokens=config.kv_pool_tokens,
         )
 
     # -- what it has done and holds (health, tests, the bench) -----------------------
@@ -201,11 +241,16 @@ class LlamaCppEngine:
         path = self.model_path or embedded_model_path()
         loaded = self._loaded = _Loaded(self, path)
         self.n_ctx_seq = loaded.context.n_ctx_seq
+        context = loaded.context
         log.info(
-            "loaded %s: %d slots x %d tokens, %d threads",
+            "loaded %s: %d slots of up to %d tokens in a %s pool of %d, host tier %d MiB, "
+            "%d threads",
             path.name,
             self.max_num_seqs,
             self.n_ctx_seq,
+            "unified" if context.unified else "per-slot",
+            context.pool_tokens,
+            loaded.tier.capacity >> 20,
             self.n_threads,
         )
         return loaded
@@ -244,8 +289,13 @@ class LlamaCppEngine:
         )
 
     def _prompts(self, request: GenerationRequest) -> list[list[int]]:
+        context = self._require().context
         return prompt_tokens(
-            request, self.vocab, n_ctx=self.n_ctx_seq, max_choices=self.max_num_seqs
+            request,
+            self.vocab,
+            n_ctx=self.n_ctx_seq,
+            max_choices=self.max_num_seqs,
+            pool=context.pool_tokens if context.unified else None,
         )
 
     def _grammar_cache(self) -> GrammarCache:
@@ -379,18 +429,49 @@ class LlamaCppEngine:
         with contextlib.suppress(RuntimeError):  # loop closed during shutdown
             loop.call_soon_threadsafe(deliver)
 
+    def kv_stats(self) -> dict[str, int]:
+        """The KV pool and the host tier, for ``GET /v1/deployments/{id}`` and metrics
+        (see docs/operations.md); empty before the model is loaded."""
+        loaded = self._loaded
+        if loaded is None:
+            return {}
+        context, tier, counters = loaded.context, loaded.tier, self.counters
+        stats = tier.stats
+        return {
+            "n_ctx": self.n_ctx_seq,
+            "pool_tokens": context.pool_tokens,
+            "pool_used_tokens": loaded.cache.used_tokens(),
+            "pool_unified": int(context.unified),
+            "pool_evictions": counters.pool_evictions,
+            "preemptions": counters.preemptions,
+            "resumes": counters.resumes,
+            "host_bytes": tier.used,
+            "host_capacity_bytes": tier.capacity,
+            "host_entries": tier.cached_entries(),
+            "host_swapped": len(tier.entries) - tier.cached_entries(),
+            "host_parks": stats.parks,
+            "host_hits": stats.hits,
+            "host_restores": stats.restores,
+            "host_restored_tokens": stats.restored_tokens,
+            "host_evictions": stats.evictions,
+        }
+
     def health(self) -> EngineHealth:
         loaded = self._loaded
         total = max(1, self.n_ctx_seq * self.max_num_seqs)
+        if loaded is not None and loaded.context.unified:
+            total = loaded.context.pool_tokens
         return EngineHealth(
             ready=self._thread is not None and loaded is not None and loaded.loop.failed is None,
             slots=self.max_num_seqs,
-            running=0 if loaded is None else len(loaded.loop.running),
+            # (swapped out of a full pool or not: to a client it runs)
+            running=0 if loaded is None else len(loaded.loop.running) + len(loaded.loop.swapped),
             waiting=0 if loaded is None else loaded.loop.waiting,
             tokens_generated=self.tokens_generated,
             kv_cache_usage=0.0 if loaded is None else loaded.cache.used_tokens() / total,
             threads=self.n_threads if loaded is None else loaded.context.threads,
             detail={"stalled_s": self.stalled_s()},
+            kv=self.kv_stats(),
         )
 
     def stalled_s(self) -> float:

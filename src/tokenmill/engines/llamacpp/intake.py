@@ -23,10 +23,16 @@ NEXT_TURNS_KEPT = 64
 
 
 def prompt_tokens(
-    request: GenerationRequest, vocab: Vocab, *, n_ctx: int, max_choices: int
+    request: GenerationRequest,
+    vocab: Vocab,
+    *,
+    n_ctx: int,
+    max_choices: int,
+    pool: int | None = None,
 ) -> list[list[int]]:
     """The request's prompts as token ids, each checked against the context of
-    ``n_ctx`` tokens; ``max_choices``: the slots, which all choices need at once."""
+    ``n_ctx`` tokens; ``max_choices``: the slots, which all choices need at once;
+    ``pool``: the KV cells the slots share, which all choices' prompts need at once."""
     n_vocab = vocab.n_tokens
     for token, _ in request.sampling.logit_bias:
         if not 0 <= token < n_vocab:
@@ -61,6 +67,15 @@ def prompt_tokens(
                 "max_tokens.",
                 param="max_tokens",
             )
+    need = request.n * sum(len(tokens) + 1 for tokens in prompts)
+    if pool is not None and need > pool:
+        raise ContextLengthError(
+            f"This replica's KV pool holds {pool} tokens (kv_pool_tokens), all its "
+            f"sequences together. However, the {request.choices} choices of this request "
+            f"need {need} at once for their prompts. Ask for fewer choices or shorten "
+            "the prompts.",
+            param="n",
+        )
     return prompts
 
 

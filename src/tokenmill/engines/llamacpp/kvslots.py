@@ -1,22 +1,32 @@
-"""The slots' KV cells on llama.cpp: placements, copies, releases and warm-ups.
+"""The slots' KV cells on llama.cpp: placements, copies, parks, restores, releases,
+swaps and warm-ups.
 
 Which slot a request takes and what moves with it is decided by
-:func:`~tokenmill.engines.llamacpp.slots.plan_placement`; what every slot holds is recorded
-in a :class:`~.slotcache.SlotCache`. :class:`KvSlots` carries the decisions out on
-the llama.cpp context and records each in the cache (whose listeners so see every
-change), in that order.
+:func:`~tokenmill.engines.llamacpp.slots.plan_placement`, and what is parked in host memory
+and restored from it by a :class:`~.hosttier.HostTier`; what every slot holds is
+recorded in a :class:`~.slotcache.SlotCache`. :class:`KvSlots` carries the decisions
+out on the llama.cpp context and records each in the cache (whose listeners so see
+every change), in that order.
+
+In a unified pool (see :mod:`.context`) the cells are shared: before anything takes
+cells (a copy, a restore, a step's tokens) there must be that many free, and cached
+cells of free slots are given up for them, least recently used first (parked in host
+memory when the tier is on).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 
 from tokenmill.engines.llamacpp.choices import Choice
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
+from tokenmill.engines.llamacpp.hosttier import HostTier, covered
 from tokenmill.engines.llamacpp.slotcache import SlotCache, WarmUp
-from tokenmill.engines.llamacpp.slots import plan_placement
+from tokenmill.engines.llamacpp.slots import common_prefix, plan_placement
 
 __all__ = ["KvSlots"]
 
@@ -26,47 +36,150 @@ log = logging.getLogger("tokenmill.engines.llamacpp")
 class KvSlots:
     """The KV cells of every slot of ``context``, as ``cache`` records them."""
 
-    def __init__(self, context: LlamaContext, cache: SlotCache[Choice], counters: Counters) -> None:
+    def __init__(
+        self,
+        context: LlamaContext,
+        cache: SlotCache[Choice],
+        counters: Counters,
+        tier: HostTier[bytearray] | None = None,
+    ) -> None:
         self.context = context
         self.cache = cache
         self.counters = counters  # kv_copies and warmups are counted here
+        self.tier: HostTier[bytearray] = tier if tier is not None else HostTier(0)
+
+    # -- the pool ------------------------------------------------------------------
+
+    def free_cells(self) -> int:
+        """Cells of the pool no slot holds (a unified pool; else every slot's own
+        stream has room for its whole context: unbounded here)."""
+        context = self.context
+        if not context.unified:
+            return context.pool_tokens
+        return context.pool_tokens - self.cache.used_tokens()
+
+    def make_room(self, cells: int, *, spare: Sequence[int] = ()) -> bool:
+        """Free at least ``cells`` cells of the pool, giving up the cached cells of
+        free slots (not those in ``spare``), least recently used first, each parked
+        in host memory first if worth it. False if that is not enough."""
+        if self.free_cells() >= cells:
+            return True
+        slots = self.cache.slots
+        idle = [s for s in slots if s.seq is None and s.tokens and s.index not in spare]
+        for slot in sorted(idle, key=lambda s: (s.last_used, s.index)):
+            self.park(slot.index, ())
+            self.context.drop(slot.index, -1)
+            self.cache.truncate(slot.index, 0)
+            self.counters.pool_evictions += 1
+            if self.free_cells() >= cells:
+                return True
+        return False
+
+    # -- host memory -----------------------------------------------------------------
+
+    def park(self, index: int, after: Sequence[int]) -> None:
+        """Slot ``index``'s cells are about to hold only ``after`` (a prefix of the
+        tokens they hold, or others): park what they hold now in host memory, unless
+        that loses next to nothing or is held elsewhere (:meth:`HostTier.worth_parking`)."""
+        tier, held = self.tier, self.cache.slots[index].tokens
+        if not tier.enabled or covered(held, after):
+            return
+        others = [s.tokens for s in self.cache.slots if s.index != index]
+        if not tier.worth_parking(held, [*others, after]):
+            return
+        if not tier.fits(len(held) * self.context.bytes_per_token):
+            return
+        state = self.context.save_seq(index)
+        if state is None:
+            return
+        if tier.park(held, state, len(state), now=time.monotonic()) is not None:
+            self.counters.kv_copies += 1
+
+    # -- placements ------------------------------------------------------------------
 
     def assign(self, seq: Choice, *, pending: int = 0, fills: bool = False) -> None:
-        """Give ``seq`` a free slot, reusing the longest cached prefix of its prompt.
+        """Give ``seq`` a free slot, reusing the longest cached prefix of its prompt:
+        in a slot (copied if it is another one) or parked in host memory (restored),
+        whichever holds more of it.
 
         ``pending``: requests about to need a slot after it; ``fills``: this round of
         admissions takes every free slot (see ``plan_placement``). Sets ``seq.slot``
         and how much of its prompt is cached (``n_past``, ``cached``).
         """
+        # Its prompt's log probabilities need logits of every prompt row: a cached
+        # prefix would skip computing them. A follower's prompt comes from its
+        # leader, whole.
+        reuse = seq.prompt_logprobs is None and seq.leader is None
+        slots, prompt, tier, context = self.cache.slots, seq.prompt, self.tier, self.context
         plan = plan_placement(
-            self.cache.slots,
-            seq.prompt,
+            slots,
+            prompt,
             pending=pending,
             fills=fills,
-            # Its prompt's log probabilities need logits of every prompt row: a cached
-            # prefix would skip computing them. A follower's prompt comes from its
-            # leader, whole.
-            reuse_prefix=seq.prompt_logprobs is None and seq.leader is None,
+            reuse_prefix=reuse,
+            # With the host tier, what ``dest`` loses is parked there, not in a slot.
+            park=not tier.enabled,
         )
-        context = self.context
-        # What ``dest`` holds is parked before anything is copied into it.
-        if plan.park_to is not None:
-            context.copy_seq(plan.dest, plan.park_to)
-        if plan.copy_from is not None:
-            context.copy_seq(plan.copy_from, plan.dest)
+        dest = plan.dest
+        held = len(slots[dest].tokens)
+        match = None
+        if reuse and tier.enabled:
+            offered = plan.copy_tokens if plan.copy_from is not None else plan.keep
+            match = tier.match(prompt, better_than=offered)
+            # Restoring takes the entry's cells (dest's own are given back first).
+            if match is not None and not self.make_room(
+                len(tier.get(match.key).tokens) - held, spare=(dest,)
+            ):
+                match = None
+        if match is not None:
+            entry = tier.get(match.key)
+            keep = min(match.common, len(prompt) - 1)
+            self.park(dest, entry.tokens[:keep])
+            plan = replace(plan, copy_from=None, copy_tokens=0, keep=keep)
+            if context.restore_seq(dest, entry.state):
+                self.counters.kv_copies += 1
+                self.cache.restore(dest, entry.tokens)
+                whole = keep >= len(entry.tokens)
+                tier.restored(match.key, reused=keep, now=time.monotonic(), whole=whole)
+            else:
+                log.warning("llama.cpp refused a parked sequence for slot %d", dest)
+                self.cache.truncate(dest, 0)
+                plan = replace(plan, keep=0)
+        else:
+            if plan.copy_from is not None and not self.make_room(
+                len(slots[plan.copy_from].tokens) - held, spare=(dest, plan.copy_from)
+            ):
+                # No room for the copy: the prompt is computed after dest's own prefix.
+                own = common_prefix(slots[dest].tokens, prompt) if reuse else 0
+                plan = replace(plan, copy_from=None, copy_tokens=0, keep=min(own, plan.keep))
+            # What ``dest`` holds is parked before anything is copied into it.
+            if plan.park_to is not None:
+                lost = len(slots[plan.park_to].tokens)
+                if self.make_room(held - lost, spare=(dest, plan.park_to, plan.source)):
+                    context.copy_seq(dest, plan.park_to)
+                else:
+                    plan = replace(plan, park_to=None)
+            if plan.copy_from is not None:
+                after = slots[plan.copy_from].tokens[: plan.keep]
+            else:
+                after = slots[dest].tokens[: plan.keep]
+            self.park(dest, after)
+            if plan.copy_from is not None:
+                context.copy_seq(plan.copy_from, dest)
         keep = plan.keep
-        if not context.drop(plan.dest, keep):
-            context.drop(plan.dest, -1)
+        if not context.drop(dest, keep):
+            context.drop(dest, -1)
             keep = 0
         self.cache.place(plan, seq, now=time.monotonic(), keep=keep)
         self.counters.kv_copies += plan.copies
-        seq.slot = plan.dest
+        seq.slot = dest
         seq.n_past = keep
         seq.cached = keep
 
     def share(self, src: int, dst: int) -> None:
         """Slot ``dst`` takes a copy of slot ``src``'s cells (a follower of ``n``
         starting from its leader's prompt)."""
+        self.make_room(len(self.cache.slots[src].tokens), spare=(src,))
         self.context.copy_seq(src, dst)
         self.counters.kv_copies += 1
         self.cache.copy(src, dst)
@@ -94,6 +207,8 @@ class KvSlots:
         """
         if not self.cache.still_warmable(warm):
             return  # the slot moved on since the answer ended
+        if self.free_cells() < len(warm.tokens):
+            return  # a full pool: not worth giving up other cached cells for
         context, tokens = self.context, warm.tokens
         for i, token in enumerate(tokens):
             context.add(i, token, warm.length + i, warm.slot, i == len(tokens) - 1)

@@ -9,6 +9,14 @@ keeps serving while a step runs. Between steps it runs a bounded batch of embedd
 inputs; when idle for ``WARM_AFTER_S`` after a chat's answer, that chat's next turn
 (:class:`~.slotcache.WarmUp`). Where each choice's KV cells go is :mod:`.kvslots`'s
 business.
+
+In a unified KV pool (see :mod:`.context`) a step writes as many cells as it has rows,
+and the pool must have them: a request is admitted when its prompts fit beside what
+runs, and a step that would overflow the pool first gives up cached cells of free
+slots, then swaps the newest running choices out to host memory (preemption by swap:
+their cells are parked, their slots stay theirs, and they resume, bit for bit where
+they stopped, before anything new is admitted). Nothing a choice has generated or
+will be billed for changes by it.
 """
 
 from __future__ import annotations
@@ -94,6 +102,8 @@ class DecodeLoop:
         self._requests = RequestQueue()  # guarded by cv
         self._aborts: set[str] = set()
         self.running: dict[str, Choice] = {}  # by key, in arrival order
+        # Choices swapped out of a full pool, in the order they were (see _fit_pool).
+        self.swapped: dict[str, Choice] = {}
         self._stop = False
         self.failed: BaseException | None = None
 
@@ -134,6 +144,7 @@ class DecodeLoop:
                         not self._stop
                         and not requests.waiting
                         and not self.running
+                        and not self.swapped
                         and not (embedder and embedder.jobs)
                     ):
                         self._aborts.clear()
@@ -147,6 +158,8 @@ class DecodeLoop:
                 if warm is not None:
                     self.kv.warm(warm)
                     continue
+                if self.swapped:
+                    self._resume()
                 with cv:
                     admitted = self._admit_locked()
                     aborts: set[str] = _NO_ABORTS
@@ -182,6 +195,7 @@ class DecodeLoop:
                 (seq, EngineError("the engine is shutting down")) for seq in requests.pending()
             ]
             self.running.clear()
+            self.swapped.clear()
             requests.clear()
             if failed:
                 self._post(failed)
@@ -189,11 +203,77 @@ class DecodeLoop:
                 embedder.fail_all(EngineError("the engine is shutting down"))
 
     def _admit_locked(self) -> list[Choice]:
-        """Requests, first come first served, while all of a request's choices fit."""
-        if not self._requests.waiting:
+        """Requests, first come first served, while all of a request's choices fit
+        (slots, and cells of a unified pool); none while a choice waits swapped out."""
+        if not self._requests.waiting or self.swapped:
             return []
         self.cache.warm_up = None  # not idle: whatever comes next is not worth waiting for
-        return self._requests.admit(self.cache.free_slots(), now=time.monotonic())
+        cells = None
+        if self.context.unified:
+            busy = sum(len(s.tokens) for s in self.cache.slots if s.seq is not None)
+            cells = self.context.pool_tokens - busy
+        return self._requests.admit(self.cache.free_slots(), now=time.monotonic(), cells=cells)
+
+    # -- a full pool: preemption by swap -------------------------------------------------
+
+    def _fit_pool(self) -> int:
+        """Make the pool hold this step's cells; returns the rows it may have.
+
+        A token for every decoding choice, and a prompt chunk: cached cells of free
+        slots are given up for them; if that is not enough for the decoding choices
+        and one prompt token, the newest running choices are swapped out.
+        """
+        kv = self.kv
+        while True:
+            decoding = sum(1 for s in self.running.values() if s.prefilled)
+            prefilling = any(not s.prefilled and s.leader is None for s in self.running.values())
+            want = decoding + (PREFILL_CHUNK if prefilling else 0)
+            if kv.make_room(want) or kv.make_room(decoding + prefilling):
+                return kv.free_cells()
+            victim = next(
+                (s for s in reversed(self.running.values()) if self.cache.slots[s.slot].tokens),
+                None,
+            )
+            if victim is None or len(self.running) == 1:
+                return kv.free_cells()  # nothing to give: what fits runs
+            self._swap_out(victim)
+
+    def _swap_out(self, seq: Choice) -> None:
+        slot = seq.slot
+        tokens = self.cache.slots[slot].tokens
+        state = self.context.save_seq(slot)
+        if state is None:
+            raise RuntimeError(f"llama.cpp gave no state for slot {slot} to swap out")
+        seq.swapped = self.kv.tier.park(
+            tokens, state, len(state), now=time.monotonic(), pinned=True
+        )
+        self.context.drop(slot, -1)
+        self.cache.truncate(slot, 0)
+        del self.running[seq.key]
+        self.swapped[seq.key] = seq
+        self.counters.preemptions += 1
+        log.info(
+            "request %s swapped out of a full KV pool (%d tokens)", seq.request_id, len(tokens)
+        )
+
+    def _resume(self) -> None:
+        """Swapped-out choices back into their slots, first out first in, while the
+        pool holds them and a step's tokens for what runs."""
+        kv, tier = self.kv, self.kv.tier
+        for key, seq in list(self.swapped.items()):
+            assert seq.swapped is not None
+            entry = tier.get(seq.swapped)
+            decoding = sum(1 for s in self.running.values() if s.prefilled)
+            if not kv.make_room(len(entry.tokens) + decoding + 1):
+                return
+            if not self.context.restore_seq(seq.slot, entry.state):
+                raise RuntimeError(f"llama.cpp refused slot {seq.slot}'s swapped-out cells")
+            tier.unpin(seq.swapped)
+            seq.swapped = None
+            self.cache.restore(seq.slot, entry.tokens)
+            del self.swapped[key]
+            self.running[key] = seq
+            self.counters.resumes += 1
 
     def _abort(self, request_id: str, events: Events) -> None:
         """End a cancelled request: every choice if it runs, or its place in the queue."""
@@ -210,9 +290,10 @@ class DecodeLoop:
 
     def _step(self, events: Events) -> None:
         context = self.context
-        plan = plan_batch(
-            self.running.values(), prefill_chunk=PREFILL_CHUNK, capacity=context.batch_cap
-        )
+        capacity = context.batch_cap
+        if context.unified:
+            capacity = min(capacity, self._fit_pool())
+        plan = plan_batch(self.running.values(), prefill_chunk=PREFILL_CHUNK, capacity=capacity)
         if not plan.rows:
             return
         for i, (token, pos, slot, logits) in enumerate(plan.rows):
@@ -347,6 +428,10 @@ class DecodeLoop:
         if reason == "stop" and not seq.stream.stopped:
             text += seq.stream.finish()
         self.running.pop(seq.key, None)
+        if seq.swapped is not None:  # cancelled while swapped out: its cells go
+            self.swapped.pop(seq.key, None)
+            self.kv.tier.unpin(seq.swapped, resumed=False)
+            seq.swapped = None
         self.kv.release(seq.slot)
         if seq.sampler is not None:
             ll.llama_sampler_free(seq.sampler)

@@ -135,6 +135,12 @@ class SlotCache(Generic[S]):
         self.slots[dst].tokens = list(self.slots[src].tokens)
         self._report_replaced(dst, old)
 
+    def restore(self, index: int, tokens: Sequence[int]) -> None:
+        """Slot ``index``'s cells now hold ``tokens``, restored from host memory."""
+        old = self.slots[index].tokens
+        self.slots[index].tokens = list(tokens)
+        self._report_replaced(index, old)
+
     def truncate(self, index: int, length: int) -> None:
         """Slot ``index``'s cells from position ``length`` on are gone (evicted)."""
         held = self.slots[index].tokens

@@ -103,6 +103,7 @@ def plan_placement(
     pending: int = 0,
     fills: bool = False,
     reuse_prefix: bool = True,
+    park: bool = True,
 ) -> Placement:
     """Give a request a free slot, reusing the longest cached prefix of its prompt.
 
@@ -132,6 +133,9 @@ def plan_placement(
     they need logits of every prompt row, and a cached prefix would skip computing
     them. Then nothing is kept or copied (what ``dest`` held may still be parked).
 
+    ``park`` False: never park in another slot (the engine parks what ``dest`` loses
+    in host memory instead, :mod:`tokenmill.engines.llamacpp.hosttier`).
+
     Raises ``ValueError`` when no slot is free.
     """
     n = len(slots)
@@ -153,7 +157,9 @@ def plan_placement(
     source_common = shared[source]
     copy = source != dest and source_common >= common + KV_COPY_MIN_TOKENS
     park_to = None
-    if len(slots[dest].tokens) - common >= KV_COPY_MIN_TOKENS:  # what the prompt will overwrite
+    if (
+        park and len(slots[dest].tokens) - common >= KV_COPY_MIN_TOKENS
+    ):  # what the prompt will overwrite
         park_to = _park_target(slots, dest, avoid=source, pending=pending)
     if copy:
         common = source_common

@@ -1,0 +1,207 @@
+"""The host-memory tier and the shared KV pool, with the real model.
+
+With more conversations than slots, a slot given to another sequence parks what it
+held in host memory, and a later turn of that conversation gets it back: its history
+is reported cached, and the answer is the one the same conversation gets from an
+engine with a slot for every conversation, where nothing was ever parked. In a pool
+too small for every running stream, the newest streams are swapped out and resumed:
+every stream still gets all its tokens, and is billed exactly what it got.
+
+Engines run one thread with fixed thread counts, so that every run computes the same
+batches the same way (greedy answers are then comparable token for token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+
+from tests.engines.test_cache_publishing import Published
+from tests.engines.test_kv_copy import decode
+from tokenmill.engines.base import GenerationRequest, SamplingParams, Usage
+from tokenmill.engines.embedded import embedded_model_path
+from tokenmill.engines.llamacpp import LlamaCppEngine
+from tokenmill.engines.llamacpp.context import LlamaContext
+from tokenmill.errors import EngineError
+from tokenmill.kvblocks import chain
+
+TOPICS = ["lighthouses", "glaciers", "beekeeping", "violins"]
+HOST = 256 << 20  # room for every conversation here
+
+
+def opening(topic: str) -> str:
+    return (
+        f"Here are some notes about {topic}, written for a museum guide. "
+        f"The history of {topic} is long and full of surprising people. "
+        * 4
+        + f"The most surprising fact about {topic} is that"
+    )
+
+
+@asynccontextmanager
+async def engine(**kwargs: object) -> AsyncIterator[LlamaCppEngine]:
+    eng = LlamaCppEngine(n_threads=1, adapt_threads=False, **kwargs)  # type: ignore[arg-type]
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.close()
+
+
+async def complete(
+    eng: LlamaCppEngine, rid: str, prompt: str, max_tokens: int
+) -> tuple[str, Usage]:
+    request = GenerationRequest(
+        rid, SamplingParams(max_tokens=max_tokens, temperature=0.0), prompt=prompt
+    )
+    await eng.prepare(request)
+    text, usage = "", None
+    async for chunk in eng.generate(request):
+        text += chunk.text
+        if chunk.finish_reason is not None:
+            usage = chunk.usage
+    assert usage is not None
+    return text, usage
+
+
+async def conversations(eng: LlamaCppEngine) -> tuple[list[str], list[Usage], list[int]]:
+    """Two turns of every topic's conversation, one request at a time: (every
+    answer, the second turns' usage, the first turns' prompt tokens)."""
+    answers: list[str] = []
+    firsts: list[int] = []
+    prompts = {t: opening(t) for t in TOPICS}
+    for t in TOPICS:
+        text, usage = await complete(eng, f"{t}-1", prompts[t], 16)
+        answers.append(text)
+        firsts.append(usage.prompt_tokens)
+        prompts[t] += text + " Another surprising fact is that"
+    seconds: list[Usage] = []
+    for t in TOPICS:
+        text, usage = await complete(eng, f"{t}-2", prompts[t], 16)
+        answers.append(text)
+        seconds.append(usage)
+    return answers, seconds, firsts
+
+
+@pytest.mark.parametrize(
+    ("evicting", "roomy"),
+    [
+        # One KV stream a slot: one slot for four conversations, against four.
+        (dict(max_num_seqs=1, n_ctx=1024), dict(max_num_seqs=4, n_ctx=1024)),
+    ],
+    ids=["per-slot"],
+)
+async def test_a_parked_conversation_continues_exactly_and_cached(
+    evicting: dict[str, int], roomy: dict[str, int]
+) -> None:
+    async with engine(kv_host_bytes=0, **roomy) as eng:
+        expected, _, _ = await conversations(eng)
+        assert eng.kv_stats()["host_parks"] == 0
+
+    published = Published()
+    async with engine(kv_host_bytes=HOST, **evicting) as eng:
+        eng.publish_cache(published.events.append)
+        answers, seconds, firsts = await conversations(eng)
+        stats = eng.kv_stats()
+        # Slots were reassigned: what they held was parked and came back.
+        assert stats["host_parks"] >= len(TOPICS)
+        assert stats["host_hits"] >= len(TOPICS) - 1
+        assert 0 < stats["host_bytes"] <= stats["host_capacity_bytes"] == HOST
+        # What the engine publishes is what its slots hold, parks and restores done.
+        slots = eng.max_num_seqs
+        real = [tuple(chain(eng.slot_cache.tokens(i))) for i in range(slots)]
+        assert published.index().chains(0) == real
+    # The same tokens as where nothing was parked, and every second turn found its
+    # whole first turn cached (in a slot, or restored from host memory).
+    assert answers == expected
+    for usage, first in zip(seconds, firsts, strict=True):
+        assert usage.cached_tokens >= first, (usage, first)
+
+
+async def test_a_full_pool_swaps_streams_out_and_every_bill_stays_exact() -> None:
+    prompts = [opening(t) for t in TOPICS]
+
+    async def run_all(eng: LlamaCppEngine) -> list[tuple[str, Usage]]:
+        return await asyncio.gather(
+            *(complete(eng, f"s{i}", p, 120) for i, p in enumerate(prompts))
+        )
+
+    async with engine(max_num_seqs=4, n_ctx=512, kv_pool_tokens=2048) as eng:
+        expected = await run_all(eng)
+        assert eng.kv_stats()["preemptions"] == 0
+    # Four streams of ~110 prompt and 120 answer tokens: ~920 cells, in 512.
+    async with engine(max_num_seqs=4, n_ctx=512, kv_pool_tokens=512, kv_host_bytes=HOST) as eng:
+        got = await run_all(eng)
+        stats = eng.kv_stats()
+        assert stats["preemptions"] >= 1 and stats["resumes"] == stats["preemptions"]
+        assert stats["host_swapped"] == 0 and eng.health().running == 0
+    for (text, usage), (want, want_usage) in zip(got, expected, strict=True):
+        assert usage.completion_tokens == want_usage.completion_tokens == 120
+        assert usage.prompt_tokens == want_usage.prompt_tokens
+        # The same start: the answers' opening tokens come before any swap. (Later
+        # tokens may part where two nearly tie: see the unified-pool test below.)
+        assert text.split()[:3] == want.split()[:3]
+
+
+async def test_a_long_prompt_is_answered_beside_short_streams_by_default() -> None:
+    # The defaults: 16 slots of up to the model's 8,192 tokens in one pool.
+    long_prompt = "The river carries stones down from the mountains. " * 500
+    async with engine() as eng:
+        stats = eng.kv_stats()
+        assert stats["n_ctx"] == 8192 and stats["pool_unified"] == 1
+        short = [complete(eng, f"short-{i}", opening(t), 8) for i, t in enumerate(TOPICS * 4)]
+        results = await asyncio.gather(complete(eng, "long", long_prompt, 4), *short)
+    (_, long_usage), *shorts = results
+    assert long_usage.prompt_tokens > 4500 and long_usage.completion_tokens == 4
+    assert all(u.completion_tokens == 8 for _, u in shorts)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        (dict(n_ctx=1024, kv_host_bytes=1 << 20), "kv_host_bytes"),
+        (dict(n_ctx=10_000_000), "n_ctx"),
+        (dict(n_ctx=1024, kv_pool_tokens=512), "kv_pool_tokens"),
+    ],
+)
+async def test_bad_sizes_stop_start_up_naming_the_key(kwargs: dict[str, int], key: str) -> None:
+    eng = LlamaCppEngine(n_threads=1, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(EngineError, match=key):
+        await eng.start()
+    await eng.close()
+
+
+async def test_in_a_unified_pool_restored_cells_read_as_the_original() -> None:
+    """Parked and restored into another slot of one unified pool, at other cells: the
+    next token decoded on top of them gives the same logits, bit for bit. (A prompt
+    chunk of many tokens is another matter: llama.cpp's attention then groups cells
+    by their place in the pool, so its last bits may differ, as in any unified
+    llama.cpp server.)"""
+    ctx = LlamaContext(
+        embedded_model_path(),
+        n_slots=3,
+        n_ctx_seq=512,
+        n_threads=1,
+        batch_size=512,
+        pool_tokens=512,
+    )
+    try:
+        assert ctx.unified
+        tokens = ctx.vocab.tokenize(opening("glaciers"))
+        n = len(tokens)
+        decode(ctx, 0, tokens, 0)
+        decode(ctx, 2, tokens[::-1], 0)  # other cells in the pool, before and after
+        state = ctx.save_seq(0)
+        assert state is not None and len(state) >= n * ctx.bytes_per_token
+        nxt = ctx.vocab.tokenize(" ice")[-1]
+        original = decode(ctx, 0, [nxt], n)
+        assert ctx.drop(0, -1)
+        decode(ctx, 2, tokens, n)  # the pool's cells move on meanwhile
+        assert ctx.restore_seq(1, state)
+        assert np.array_equal(decode(ctx, 1, [nxt], n), original)
+    finally:
+        ctx.close()
