@@ -215,19 +215,24 @@ def test_kvtier_documents_are_seeded_distinct_and_sized() -> None:
     sizes = bench_python(
         """
         import json
+        from llama_cpp import Llama
         from scenarios.kvtier.workload import document, long_prompt, opening
-        from tokenmill.engines.vocab import GgufTokenizer
+        from tokenmill.engines.embedded import embedded_model_path
 
-        tok = GgufTokenizer("embedded")
+        vocab = Llama(str(embedded_model_path()), vocab_only=True, verbose=False)
+
+        def tokens(text):
+            return vocab.tokenize(text.encode(), add_bos=False, special=False)
+
         docs = [document(f"doc-34-0-{i}") for i in range(24)]
-        heads = {tuple(tok.vocab.tokenize(d, special=False)[:16]) for d in docs}
+        heads = {tuple(tokens(d)[:16]) for d in docs}
         print(json.dumps({
-            "tokens": [tok.count_text(d) for d in docs],
+            "tokens": [len(tokens(d)) for d in docs],
             "distinct_heads": len(heads),
             "same_again": docs == [document(f"doc-34-0-{i}") for i in range(24)],
             "other_seed_differs": document("doc-34-1-0") != docs[0],
             "opening_holds_it": docs[3] in opening(docs[3]),
-            "long": tok.count_text(long_prompt("long-34")),
+            "long": len(tokens(long_prompt("long-34"))),
         }))
         """
     )
