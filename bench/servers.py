@@ -154,12 +154,12 @@ def llama_server(
     n_ctx: int = SLOTS * N_CTX,
     files: str = "llama-server",
 ) -> Server:
-    """llama.cpp's own server as tokenmill runs the model: same file, threads and slots
-    (``-np slots -c n_ctx``, the context shared by the slots), its log in ``tmp/FILES.log``."""
+    """llama.cpp's own server as tokenmill runs the model: same file, threads and slots."""
     from tokenmill.engines.threads import extra_buffers_work
 
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads)]
+    # -np slots sharing -c n_ctx tokens (the bench's default: 16 of 2048); log in tmp/FILES.log
     cmd += ["-np", str(slots), "-c", str(n_ctx), "--host", "127.0.0.1", "--port", str(port)]
     if not extra_buffers_work():  # as tokenmill loads the model (see threads.py)
         cmd.append("--no-repack")
