@@ -11,7 +11,11 @@ scenario; ``--only-NAME`` runs one alone (its results in ``.bench-cache/NAME.jso
   py-spy profile;
 * ``logprobs`` (only with ``--only-logprobs``): logprobs' cost alone on one server;
 * ``constrained``: what a JSON-schema constraint costs;
-* ``ray``: a Ray replica and a Ray Serve cell against a process replica.
+* ``ray``: a Ray replica and a Ray Serve cell against a process replica;
+* ``fairness``: fair share against FIFO on one gateway;
+* ``routing``: the routing policies on one gateway of 2 replicas;
+* ``kvtier``: many conversations on one 4-slot replica against llama-server's
+  host-memory prompt cache, and one long prompt beside 16 streams (issue 34).
 
 Levels of 16 and more send their requests from staggered workers (``load.Plan``;
 ``--lockstep`` sends them in waves as before). The results of a plain run are written

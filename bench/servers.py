@@ -145,13 +145,22 @@ def llama_server_binary() -> Path:
     return Path(out.stdout.strip().splitlines()[-1]).resolve()
 
 
-def llama_server(binary: Path, gguf: Path, threads: int, tmp: Path) -> Server:
+def llama_server(
+    binary: Path,
+    gguf: Path,
+    threads: int,
+    tmp: Path,
+    slots: int = SLOTS,
+    n_ctx: int = SLOTS * N_CTX,
+    files: str = "llama-server",
+) -> Server:
     """llama.cpp's own server as tokenmill runs the model: same file, threads and slots."""
     from tokenmill.engines.llamacpp.threads import extra_buffers_work
 
     port = free_port()
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads)]
-    cmd += ["-np", str(SLOTS), "-c", str(SLOTS * N_CTX), "--host", "127.0.0.1", "--port", str(port)]
+    # -np slots sharing -c n_ctx tokens (the bench's default: 16 of 2048); log in tmp/FILES.log
+    cmd += ["-np", str(slots), "-c", str(n_ctx), "--host", "127.0.0.1", "--port", str(port)]
     if not extra_buffers_work():  # as tokenmill loads the model (see threads.py)
         cmd.append("--no-repack")
-    return Server("llama-server", cmd, port, tmp / "llama-server.log")
+    return Server("llama-server", cmd, port, tmp / f"{files}.log")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,3 +161,150 @@ def test_bench_without_stagger_measures_every_request(server: ServerProcess) -> 
     report = json.loads(run_bench(*args, "--json", "--no-progress").stdout)
     assert report["stagger_tokens"] == 0
     assert report["measured_requests"] == report["completed"] == 3
+
+
+# -- make bench's kvtier scenario (issue 34): its registration, workload and targets, checked
+# without servers by running bench/'s own modules as bench/run.py imports them.
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def bench_python(code: str) -> Any:
+    """Run ``code`` with bench/ importable (as bench/run.py sees it); its last line, as JSON."""
+    path = os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_kvtier_runs_in_a_plain_make_bench_and_alone() -> None:
+    chosen = bench_python(
+        """
+        import json
+        from run import chosen, parser
+
+        def names(*argv):
+            scenarios, out = chosen(parser().parse_args(list(argv)))
+            return [s.name for s in scenarios], out
+
+        args = parser().parse_args(["--only-kvtier"])
+        print(json.dumps({
+            "plain": names(),
+            "only": names("--only-kvtier"),
+            "without": names("--no-kvtier"),
+            "defaults": [args.kvtier_conversations, args.kvtier_open, args.kvtier_streams],
+        }))
+        """
+    )
+    assert "kvtier" in chosen["plain"][0]
+    assert chosen["only"] == [["kvtier"], "kvtier.json"]
+    assert "kvtier" not in chosen["without"][0]
+    assert chosen["without"][0] == [n for n in chosen["plain"][0] if n != "kvtier"]
+    # The issue's workload: 24 conversations, 8 open at once; 16 streams beside the long one.
+    assert chosen["defaults"] == [24, 8, 16]
+
+
+def test_kvtier_documents_are_seeded_distinct_and_sized() -> None:
+    sizes = bench_python(
+        """
+        import json
+        from llama_cpp import Llama
+        from scenarios.kvtier.workload import document, long_prompt, opening
+        from tokenmill.engines.embedded import embedded_model_path
+
+        vocab = Llama(str(embedded_model_path()), vocab_only=True, verbose=False)
+
+        def tokens(text):
+            return vocab.tokenize(text.encode(), add_bos=False, special=False)
+
+        docs = [document(f"doc-34-0-{i}") for i in range(24)]
+        heads = {tuple(tokens(d)[:16]) for d in docs}
+        print(json.dumps({
+            "tokens": [len(tokens(d)) for d in docs],
+            "distinct_heads": len(heads),
+            "same_again": docs == [document(f"doc-34-0-{i}") for i in range(24)],
+            "other_seed_differs": document("doc-34-1-0") != docs[0],
+            "opening_holds_it": docs[3] in opening(docs[3]),
+            "long": len(tokens(long_prompt("long-34"))),
+        }))
+        """
+    )
+    # ~300 tokens each, none sharing its first block of 16 tokens with another.
+    assert all(250 <= n <= 350 for n in sizes["tokens"]), sizes["tokens"]
+    assert sizes["distinct_heads"] == 24
+    assert sizes["same_again"] and sizes["other_seed_differs"] and sizes["opening_holds_it"]
+    # Longer than the 2,048 tokens of a default slot; within the model's trained 8,192.
+    assert 4_300 <= sizes["long"] <= 4_800
+
+
+KVTIER_SECTION = """
+from scenarios.kvtier.report import report
+
+def server(whole, later_ms, wall):
+    return {
+        "conversations": 24, "later_turns": 48, "whole_cached": whole,
+        "whole_cached_share": whole / 48, "later_ttft_p50_ms": later_ms,
+        "first_ttft_p50_ms": 900.0, "first_prompt_tokens_p50": 330, "wall_s": [wall],
+        "wall_p50_s": wall, "errors": [],
+    }
+
+def section(tier, status):
+    windows = [{"rss_mb": 700.0, "peak_mb": 760.0, "tier": [tier]}]
+    return {
+        "settings": {
+            "slots": 4, "n_ctx": 2048, "llama_ctx": 8192, "threads": 2,
+            "conversations": 24, "open": 8, "turns": 3, "max_tokens": 32, "reps": 1,
+            "host_bytes": None, "streams": 16,
+        },
+        "conversations": {
+            "servers": {
+                "tokenmill": server(47, 240.0, 40.0),
+                "llama-server": server(48, 400.0, 47.0),
+            },
+            "memory": {"after_warm_up": {"rss_mb": 690.0}, "windows": windows},
+        },
+        "long": {
+            "status": status, "error": "" if status == 200 else "HTTP 400: too long",
+            "ttft_ms": 9000.0 if status == 200 else None, "prompt_tokens": 4540,
+            "long_s": 12.0, "short_requests": 40, "short_ttft_p50_ms": 800.0,
+            "short_errors": [],
+        },
+    }
+"""
+
+
+def test_kvtier_table_marks_the_issue_targets() -> None:
+    tables = bench_python(
+        KVTIER_SECTION
+        + """
+import json
+print(json.dumps({
+    "met": report(section({"entries": 20, "capacity_bytes": 64 * 2**20}, 200)),
+    "not_met": report(section({"entries": 20, "capacity_bytes": 32 * 2**20}, 400)),
+    "no_tier": report(section(None, 200)),
+}))
+"""
+    )
+
+    def marks(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith(("PASS", "MISS"))]
+
+    met = marks(tables["met"])
+    # 47 of 48 whole cached; 240/400 ms; 40/47 s; answered; grew 70 MB of a 64 MB tier.
+    assert [line[:4] for line in met] == ["PASS"] * 5, met
+    assert "97.9%" in met[0] and "0.60x" in met[1] and "0.85x" in met[2]
+    assert "70 MB" in met[4] and "64 MB" in met[4]
+    not_met = marks(tables["not_met"])
+    assert [line[:4] for line in not_met] == ["PASS", "PASS", "PASS", "MISS", "MISS"]
+    assert "status 400" in not_met[3]
+    # No tier reported (the replica before the tier): its size is n/a, never guessed.
+    no_tier = tables["no_tier"]
+    assert "tier (kv_host of each replica): n/a" in no_tier
+    assert marks(no_tier)[4].startswith("MISS") and "n/a" in marks(no_tier)[4]

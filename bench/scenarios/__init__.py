@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from scenario import Scenario
 
-from . import constrained, fairness, logprobs, ray, routing, versus
+from . import constrained, fairness, kvtier, logprobs, ray, routing, versus
 
 SCENARIOS: tuple[Scenario, ...] = (
     versus.SCENARIO,
@@ -17,4 +17,5 @@ SCENARIOS: tuple[Scenario, ...] = (
     ray.SCENARIO,
     fairness.SCENARIO,
     routing.SCENARIO,
+    kvtier.SCENARIO,
 )

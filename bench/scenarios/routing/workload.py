@@ -85,6 +85,14 @@ def ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 
 
+class Refused(RuntimeError):
+    """The server answered with an HTTP error instead of a stream."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]!r}")
+        self.status = status
+
+
 async def stream_turn(
     client: httpx.AsyncClient,
     model: str,
@@ -92,7 +100,8 @@ async def stream_turn(
     max_tokens: int,
     seed: int,
 ) -> tuple[str, float, dict[str, Any]]:
-    """One streamed chat completion: its text, TTFT in seconds and usage."""
+    """One streamed chat completion: its text, TTFT in seconds and usage (with
+    llama-server's ``timings`` under ``"timings"`` when it sends them)."""
     body = {
         "model": model,
         "messages": messages,
@@ -107,15 +116,18 @@ async def stream_turn(
     ttft: float | None = None
     text: list[str] = []
     usage: dict[str, Any] = {}
+    timings: dict[str, Any] = {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            raise Refused(r.status_code, await r.aread())
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            if chunk.get("timings"):
+                timings = chunk["timings"]
             for choice in chunk.get("choices") or []:
                 content = (choice.get("delta") or {}).get("content")
                 if content:
@@ -124,16 +136,21 @@ async def stream_turn(
                     text.append(content)
     if ttft is None or not usage:
         raise RuntimeError("stream ended without content or usage")
+    if timings:
+        usage = {**usage, "timings": timings}
     return "".join(text), ttft, usage
 
 
 def as_turn(n: int, ttft: float, usage: dict[str, Any]) -> Turn:
     details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    if cached is None:  # a llama-server without it in usage: its own timings say it
+        cached = (usage.get("timings") or {}).get("cache_n")
     return Turn(
         n,
         ttft,
         int(usage["prompt_tokens"]),
-        int(details.get("cached_tokens") or 0),
+        int(cached or 0),
         int(usage["completion_tokens"]),
     )
 
