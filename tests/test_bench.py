@@ -286,8 +286,8 @@ def test_kvtier_table_marks_the_issue_targets() -> None:
         + """
 import json
 print(json.dumps({
-    "met": report(section({"entries": 20, "capacity_bytes": 64 * 2**20}, 200)),
-    "not_met": report(section({"entries": 20, "capacity_bytes": 32 * 2**20}, 400)),
+    "met": report(section({"host_entries": 20, "host_capacity_bytes": 64 * 2**20}, 200)),
+    "not_met": report(section({"host_entries": 20, "host_capacity_bytes": 32 * 2**20}, 400)),
     "no_tier": report(section(None, 200)),
 }))
 """
@@ -306,5 +306,5 @@ print(json.dumps({
     assert "status 400" in not_met[3]
     # No tier reported (the replica before the tier): its size is n/a, never guessed.
     no_tier = tables["no_tier"]
-    assert "tier (kv_host of each replica): n/a" in no_tier
+    assert "tier (kv of each replica): n/a" in no_tier
     assert marks(no_tier)[4].startswith("MISS") and "n/a" in marks(no_tier)[4]

@@ -13,11 +13,10 @@ WALL_RATIO = 0.9
 TIER_SLACK = 1.1
 MB = 2**20
 
-# What GET /v1/deployments/{id} reports of each replica's host-memory tier.
-TIER_KEY = "kv_host"
-# Where the tier's configured size may be reported (the tier is being written beside
-# this scenario): the first of these keys found in a replica's ``kv_host``.
-SIZE_KEYS = ("capacity_bytes", "limit_bytes", "max_bytes", "bytes_limit", "size_bytes")
+# What GET /v1/deployments/{id} reports of each replica's KV pool and host-memory tier
+# (docs/operations.md), and the key of the tier's configured byte bound in it.
+TIER_KEY = "kv"
+SIZE_KEYS = ("host_capacity_bytes",)
 
 
 def tier_size(tiers: list[Any], configured: int | None) -> tuple[int | None, str]:
