@@ -13,7 +13,8 @@ A later turn found its whole earlier prompt cached when the usage's
 ``prompt_tokens_details.cached_tokens`` (both servers report it) is at least the previous
 turn's ``prompt_tokens``. tokenmill's replica memory is read from ``/proc`` (its pids
 from ``GET /v1/deployments/{id}``): RSS after warm-up, then after each window with the
-peak (VmHWM); the tier's own figures are what that endpoint reports under each replica's ``kv`` (``host_capacity_bytes`` the bound).
+peak (VmHWM); the tier's own figures are what that endpoint reports under each
+replica's ``kv`` (``host_capacity_bytes`` the bound).
 
 **One long prompt.** tokenmill with no configuration at all (the embedded default):
 ``--kvtier-streams`` workers send short requests one after another; once each has had
