@@ -14,6 +14,7 @@ batches the same way (greedy answers are then comparable token for token).
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -111,6 +112,18 @@ async def test_a_parked_conversation_continues_exactly_and_cached(
         assert stats["host_parks"] >= len(TOPICS)
         assert stats["host_hits"] >= len(TOPICS) - 1
         assert 0 < stats["host_bytes"] <= stats["host_capacity_bytes"] == HOST
+        # What the tier counts is what it holds: host_bytes is the sum of the parked
+        # states' own bytes, allocation included (sys.getsizeof), each about its
+        # tokens' cells (llama.cpp adds a small header): resident memory within the
+        # configured bound, +10 %.
+        loaded = eng._require()
+        parked = list(loaded.tier.entries.values())
+        assert stats["host_bytes"] == sum(e.nbytes for e in parked)
+        assert all(e.nbytes == len(e.state) for e in parked)
+        assert sum(sys.getsizeof(e.state) for e in parked) <= 1.1 * stats["host_bytes"]
+        per_token = loaded.context.bytes_per_token
+        for e in parked:
+            assert len(e.tokens) * per_token <= e.nbytes <= 1.1 * len(e.tokens) * per_token
         # What the engine publishes is what its slots hold, parks and restores done.
         slots = eng.max_num_seqs
         real = [tuple(chain(eng.slot_cache.tokens(i))) for i in range(slots)]

@@ -97,7 +97,10 @@ class HostTier(Generic[B]):
 
     def cached_entries(self) -> int:
         """Entries that are a cache (not swapped-out running sequences)."""
-        return sum(1 for e in self.entries.values() if not e.pinned)
+        # Read by health() on the event loop's thread while the decode thread parks
+        # and restores: iterating the dict itself would raise if its size changed
+        # meanwhile; list() copies it in one step under the GIL.
+        return sum(1 for e in list(self.entries.values()) if not e.pinned)
 
     # -- placement -----------------------------------------------------------------
 
