@@ -81,8 +81,13 @@ def test_batched_equals_solo_and_32_streams_stay_separate(
 
 
 # How far apart two tokens' log probabilities may be and still swap places between
-# batch shapes: keys and values computed in another batch differ in the last bits.
-NEAR_TIE = 0.02
+# batch shapes on the shared pool. A sequence's cells sit among other sequences' there,
+# attention runs over them in another layout, and its sums round differently: the
+# prompt's first token comes out the same, bit for bit (asserted below), but later
+# logprobs drift, by up to 0.22 in 32 answers of 24 tokens seen here. Tokens crossing
+# between sequences, or a prefix copied wrong, part answers where the model is sure (a
+# state copy into the pool once moved a first token's logprob by 2 nats).
+NEAR_TIE = 0.5
 
 
 def first_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int | None:
@@ -104,6 +109,8 @@ def test_on_the_shared_pool_batched_differs_from_solo_only_at_near_ties(
     for i, (alone, among) in enumerate(zip(solo, batched, strict=True)):
         a = alone["choices"][0]["logprobs"]["content"]
         b = among["choices"][0]["logprobs"]["content"]
+        # The prompt was computed alike: its first token's distribution is the same.
+        assert a[0] == b[0], (i, a[0], b[0])
         at = first_difference(a, b)
         if at is None:
             continue

@@ -215,8 +215,13 @@ class LlamaContext:
         copies then queue behind it until the next decode, so that every copy still
         happens in the order it was asked for (a queued copy read by an immediate one
         would be read before it is made).
+
+        In a unified pool ``seq_cp`` copies nothing: ``dst`` shares ``src``'s cells, at
+        once. A sequence state written there instead was read back wrong by later
+        steps (llama-cpp-python 0.3.36: a copied prefix gave first-token logprobs 0.1
+        to 2 nats off a fresh computation's), so the pool only ever shares.
         """
-        if not self.copies_queued:
+        if not self.copies_queued and not self.unified:
             ctx = self._ctx
             size = ll.llama_state_seq_get_size(ctx, src)
             # A new buffer each time (0.25 ms more than reusing one for 4 MB here):
@@ -227,7 +232,8 @@ class LlamaContext:
                 return
             log.warning("llama.cpp refused slot %d's state for slot %d: copying", src, dst)
         ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
-        self.copies_queued = True
+        # Between KV streams the copy waits for the next decode; in one pool it is made.
+        self.copies_queued = not self.unified
 
     def save_seq(self, slot: int) -> bytearray | None:
         """Slot ``slot``'s KV cells as llama.cpp's sequence state (to park them in host
