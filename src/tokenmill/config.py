@@ -96,6 +96,11 @@ class DeploymentCommon(BaseModel):
     n_ctx: int = Field(default=DEFAULT_N_CTX, ge=64)
     # Which replica serves a request (tokenmill.gateway.routing; docs/routing.md).
     routing: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
+    # Hosted tools (web search, code execution...: tools a provider's server runs) in a
+    # Responses or Messages request: "omit" leaves them out of what the model sees and
+    # names them in the x-tokenmill-omitted-tools header (agent CLIs offer web search by
+    # default); "refuse": a 400 naming the tool (docs/agent-apis.md).
+    hosted_tools: Literal["omit", "refuse"] = "omit"
 
     @classmethod
     def engine_name(cls) -> str:
