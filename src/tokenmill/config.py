@@ -227,6 +227,21 @@ class LlamaCppDeployment(ReplicatedDeployment):
     # busy processes share the cores, threads that wait for each other at every barrier
     # lose to one (see tokenmill.engines.threads). false: always n_threads.
     adapt_threads: bool = True
+    # RoPE context extension, as llama-server's --rope-scaling/--rope-scale/
+    # --yarn-orig-ctx: serve an n_ctx past the model's training context (SmolLM2's 8k
+    # at 32k: "yarn", rope_scale 4, yarn_orig_ctx 8192). Quality past the trained
+    # window is the model's, not guaranteed (docs/agent-apis.md).
+    rope_scaling: Literal["none", "linear", "yarn"] | None = None
+    rope_scale: float | None = Field(default=None, ge=1.0, allow_inf_nan=False)
+    yarn_orig_ctx: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _rope_keys_together(self) -> LlamaCppDeployment:
+        if self.rope_scaling in (None, "none") and self.rope_scale is not None:
+            raise ValueError("rope_scale needs rope_scaling = 'linear' or 'yarn'")
+        if self.rope_scaling != "yarn" and self.yarn_orig_ctx is not None:
+            raise ValueError("yarn_orig_ctx needs rope_scaling = 'yarn'")
+        return self
 
     def ray_cpus(self) -> float:
         if self.ray_num_cpus is not None:

@@ -38,7 +38,7 @@ from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embedd
 from tokenmill.engines.grammar import GrammarCache
 from tokenmill.engines.llama_embed import Embedder
 from tokenmill.engines.llamacpp.choices import Choice, build_group
-from tokenmill.engines.llamacpp.context import LlamaContext
+from tokenmill.engines.llamacpp.context import LlamaContext, RopeScaling
 from tokenmill.engines.llamacpp.counters import Counters
 from tokenmill.engines.llamacpp.intake import NextTurns, prompt_tokens
 from tokenmill.engines.llamacpp.kvslots import KvSlots
@@ -65,6 +65,7 @@ class _Loaded:
             n_ctx_seq=engine.n_ctx_seq,
             n_threads=engine.n_threads,
             batch_size=max(PREFILL_CHUNK + n_slots, 512),
+            rope=engine.rope,
         )
         context = self.context
         self.cache: SlotCache[Choice] = SlotCache(n_slots, context.n_ctx_seq)
@@ -111,8 +112,10 @@ class LlamaCppEngine:
         n_ctx: int = 2048,
         n_threads: int | None = None,
         adapt_threads: bool = True,
+        rope: RopeScaling | None = None,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
+        self.rope = rope  # RoPE context extension (the deployment's rope_* keys)
         self.max_num_seqs = max_num_seqs
         self.n_ctx_seq = n_ctx
         self.n_threads = n_threads or available_cpus()
@@ -149,6 +152,9 @@ class LlamaCppEngine:
             n_ctx=config.n_ctx,
             n_threads=n_threads,
             adapt_threads=config.adapt_threads,
+            rope=None
+            if config.rope_scaling is None
+            else RopeScaling(config.rope_scaling, config.rope_scale, config.yarn_orig_ctx),
         )
 
     # -- what it has done and holds (health, tests, the bench) -----------------------
