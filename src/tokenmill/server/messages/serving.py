@@ -254,6 +254,8 @@ async def edit_context(
                 original = before if original is None else original
             after = await _count(deployment, body.model_copy(update={"messages": edited}))
             cleared = before - after
+            if cleared <= 0:
+                continue  # results shorter than the placeholder: nothing gained
             if edit.clear_at_least is not None and cleared < edit.clear_at_least.value:
                 continue  # not worth losing the cached prefix for
             messages = edited
