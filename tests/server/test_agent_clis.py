@@ -50,13 +50,16 @@ SCRIPTED_CTX = 262_144
 # step of a long prompt's prefill (512 tokens against up to 20k) takes tens of seconds
 # on a small shared CPU: past the default 30 s the replica would count as wedged.
 YARN_32K = (
-    '[[deployments]]\nid = "smollm2-32k"\nn_ctx = 32768\nmax_num_seqs = 1\n'
+    '[[deployments]]\nid = "smollm2-32k"\nn_ctx = 32768\nmax_num_seqs = 2\n'
     'rope_scaling = "yarn"\nrope_scale = 4.0\nyarn_orig_ctx = 8192\n'
     "health_check_timeout_s = 600\n"
 )
 # Reading a CLI's first prompt (9k-20k tokens) on a 2-core machine shared with other
 # work: minutes (about 60 tokens a second measured here); a few seconds on a GPU.
 LONG_PROMPT_S = 1800.0
+# Both CLIs give up on a stream that sent no event for 5 minutes (pings do not count)
+# and retry: where reading the first prompt takes longer, they must wait longer.
+IDLE_MS = str(int(LONG_PROMPT_S * 1000))
 
 
 def cli(name: str) -> Path:
@@ -83,9 +86,9 @@ def claude_env(home: Path, base_url: str, model: str) -> dict[str, str]:
     }
 
 
-def codex_env(home: Path, base_url: str, model: str) -> dict[str, str]:
+def codex_env(home: Path, base_url: str, model: str, provider: str = "") -> dict[str, str]:
     """Codex's environment and config: only the provider table (and no analytics or
-    update check: there is no network)."""
+    update check: there is no network); ``provider``: more keys of its table."""
     codex_home = home / ".codex"
     codex_home.mkdir(parents=True)
     (codex_home / "config.toml").write_text(
@@ -96,7 +99,7 @@ def codex_env(home: Path, base_url: str, model: str) -> dict[str, str]:
         "[model_providers.tokenmill]\n"
         'name = "tokenmill"\n'
         f'base_url = "{base_url}/v1"\n'
-        'wire_api = "responses"\n'
+        'wire_api = "responses"\n' + provider
     )
     return {
         "PATH": os.environ["PATH"],
@@ -300,7 +303,7 @@ def test_claude_codes_first_request_is_served_by_smollm2_at_32k(
 ) -> None:
     srv = start_server(config=YARN_32K)
     proxy = proxy_to(srv)
-    env = claude_env(home, proxy.url, "smollm2-32k")
+    env = claude_env(home, proxy.url, "smollm2-32k") | {"CLAUDE_STREAM_IDLE_TIMEOUT_MS": IDLE_MS}
     first = serve_first_request(srv, proxy, [str(cli("claude")), "-p", "Say hello"], env,
                                 "/v1/messages")  # fmt: skip
     kinds = [e["type"] for e in first.events()]
@@ -317,7 +320,7 @@ def test_codexs_first_request_is_served_by_smollm2_at_32k(
 ) -> None:
     srv = start_server(config=YARN_32K)
     proxy = proxy_to(srv)
-    env = codex_env(home, proxy.url, "smollm2-32k")
+    env = codex_env(home, proxy.url, "smollm2-32k", f"stream_idle_timeout_ms = {IDLE_MS}\n")
     argv = [str(cli("codex")), "exec", "--skip-git-repo-check", "Say hello"]
     first = serve_first_request(srv, proxy, argv, env, "/v1/responses")
     kinds = [e["type"] for e in first.events()]
