@@ -242,12 +242,12 @@ def test_a_function_call_cut_by_max_output_tokens_is_incomplete(
 
 
 def test_count_tokens_counts_a_prompt_longer_than_the_context(http: httpx.Client) -> None:
-    # The embedded model's default deployment has 2,048 tokens a sequence.
-    text = " ".join(f"word{i}" for i in range(3000))
+    # Far past the embedded model's default context (2,048 tokens, or its trained 8,192).
+    text = " ".join(f"word{i}" for i in range(12_000))
     body = {"model": "smollm2", "messages": [{"role": "user", "content": text}]}
     r = http.post("/v1/messages/count_tokens", json=body)
     assert r.status_code == 200, r.text
-    assert r.json()["input_tokens"] > 3000
+    assert r.json()["input_tokens"] > 12_000
     r = http.post("/v1/messages", json={**body, "max_tokens": 5})
     assert r.status_code == 400
     assert r.json()["error"]["message"].startswith("messages:")

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.gateway.deployment import Deployment
 
 __all__ = ["OMITTED_HEADER", "hosted_tools"]
 
@@ -22,16 +21,17 @@ OMITTED_HEADER = "x-tokenmill-omitted-tools"
 
 
 def hosted_tools(
-    deployment: Deployment, offered: Sequence[tuple[str, str]], advice: str
+    policy: str, deployment: str, offered: Sequence[tuple[str, str]], advice: str
 ) -> tuple[str, ...]:
     """The names of the hosted tools ``offered`` (each ``(param, name)``: the field
-    that names it, and its name) that the deployment leaves out; raises the 400 of
-    the first one where the deployment refuses them. ``advice``: what to send instead."""
-    if offered and deployment.config.hosted_tools == "refuse":
+    that names it, and its name) that ``deployment`` leaves out under ``policy`` (its
+    ``hosted_tools``); raises the 400 of the first one where it refuses them.
+    ``advice``: what to send instead."""
+    if offered and policy == "refuse":
         param, name = offered[0]
         raise InvalidRequestError(
             f"tokenmill does not support the hosted tool {name!r} (deployment "
-            f"{deployment.id!r} refuses hosted tools: its hosted_tools is 'refuse'); {advice}",
+            f"{deployment!r} refuses hosted tools: its hosted_tools is 'refuse'); {advice}",
             param=param,
             code="unsupported_parameter",
         )

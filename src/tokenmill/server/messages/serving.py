@@ -207,7 +207,8 @@ def check_model(deployment: Deployment, body: CountTokensRequest) -> tuple[str, 
             param="thinking.type",
         )
     offered = [(f"tools.{i}.type", t.name or t.type) for i, t in body.server_tools()]
-    return hosted_tools(deployment, offered, "offer custom tools (with input_schema)")
+    policy = deployment.config.hosted_tools
+    return hosted_tools(policy, deployment.id, offered, "offer custom tools (with input_schema)")
 
 
 async def _count(deployment: Deployment, body: CountTokensRequest) -> int:

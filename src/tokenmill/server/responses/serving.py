@@ -205,7 +205,8 @@ def skeleton(body: ResponsesRequest, model: str, response_id: str) -> dict[str, 
 def check_tools(deployment: Deployment, body: ResponsesRequest) -> tuple[str, ...]:
     """The built-in tools the deployment leaves out (or a 400, where it refuses them)."""
     offered = [(f"tools.{i}.type", t.type) for i, t in body.builtin_tools()]
-    return hosted_tools(deployment, offered, "offer function tools only")
+    policy = deployment.config.hosted_tools
+    return hosted_tools(policy, deployment.id, offered, "offer function tools only")
 
 
 async def open_response(
