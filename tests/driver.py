@@ -191,6 +191,10 @@ class EngineDriver:
             command["stop"] = stop
         self._send(rid, command, nth)
 
+    def say(self, rid: str, text: str, nth: int = 1) -> None:
+        """``text`` to ``rid`` as one chunk (a token a word): a tool call's JSON, an answer."""
+        self._send(rid, {"op": "say", "id": rid, "text": text}, nth)
+
     def eos(self, rid: str, nth: int = 1) -> None:
         """End ``rid`` as a model's end-of-sequence token does: one more token, no text."""
         self._send(rid, {"op": "eos", "id": rid}, nth)

@@ -96,6 +96,11 @@ class DeploymentCommon(BaseModel):
     n_ctx: int = Field(default=DEFAULT_N_CTX, ge=64)
     # Which replica serves a request (tokenmill.gateway.routing; docs/routing.md).
     routing: Literal["cache_aware", "least_loaded", "round_robin"] = "cache_aware"
+    # Hosted tools (web search, code execution...: tools a provider's server runs) in a
+    # Responses or Messages request: "omit" leaves them out of what the model sees and
+    # names them in the x-tokenmill-omitted-tools header (agent CLIs offer web search by
+    # default); "refuse": a 400 naming the tool (docs/agent-apis.md).
+    hosted_tools: Literal["omit", "refuse"] = "omit"
 
     @classmethod
     def engine_name(cls) -> str:
@@ -231,6 +236,21 @@ class LlamaCppDeployment(ReplicatedDeployment):
     # Host memory for sequences parked from reassigned slots, in bytes. Unset: a
     # quarter of the memory available at start, at most 8 GiB; 0: no host tier.
     kv_host_bytes: int | None = Field(default=None, ge=0)
+    # RoPE context extension, as llama-server's --rope-scaling/--rope-scale/
+    # --yarn-orig-ctx: serve an n_ctx past the model's training context (SmolLM2's 8k
+    # at 32k: "yarn", rope_scale 4, yarn_orig_ctx 8192). Quality past the trained
+    # window is the model's, not guaranteed (docs/agent-apis.md).
+    rope_scaling: Literal["none", "linear", "yarn"] | None = None
+    rope_scale: float | None = Field(default=None, ge=1.0, allow_inf_nan=False)
+    yarn_orig_ctx: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _rope_keys_together(self) -> LlamaCppDeployment:
+        if self.rope_scaling in (None, "none") and self.rope_scale is not None:
+            raise ValueError("rope_scale needs rope_scaling = 'linear' or 'yarn'")
+        if self.rope_scaling != "yarn" and self.yarn_orig_ctx is not None:
+            raise ValueError("yarn_orig_ctx needs rope_scaling = 'yarn'")
+        return self
 
     def ray_cpus(self) -> float:
         if self.ray_num_cpus is not None:

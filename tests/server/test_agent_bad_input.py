@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import ServerProcess
+from tests.driver import EngineDriver, scripted_deployment
 
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
@@ -63,10 +64,8 @@ ORPHAN_OUTPUT = {"type": "function_call_output", "call_id": "call_x", "output": 
         (r(max_output_tokens=0), "max_output_tokens", V),
         (r(temperature=3), "temperature", V),
         (r(input=[{"role": "wizard", "content": "x"}]), "input.0.role", V),
-        (r(tools=[{"type": "web_search"}]), "tools.0.type", U),
-        (r(tools=[{"type": "file_search"}]), "tools.0.type", U),
         (r(background=True), "background", U),
-        (r(reasoning={"effort": "high"}), "reasoning", U),
+        (r(reasoning={"effort": "enormous"}), "reasoning.effort", V),
         (r(conversation="conv_1"), "conversation", U),
         (r(include=["message.output_text.logprobs"]), "include", U),
         (r(truncation="auto"), "truncation", U),
@@ -117,7 +116,8 @@ def user(*blocks: dict[str, Any]) -> list[dict[str, Any]]:
         (m(temperature=1.5), "temperature"),
         (m(messages=[{"role": "system", "content": "x"}]), "messages.0.role"),
         (m(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking.type"),
-        (m(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "tools.0.type"),
+        (m(output_config={"effort": "enormous"}), "output_config.effort"),
+        (m(context_management={"edits": [{"type": "compact_20260112"}]}), "edits.0.type"),
         (m(tool_choice={"type": "tool"}), "tool_choice"),
         (m(mcp_servers=[{"url": "x"}]), "mcp_servers"),
         (m(messages=user({"type": "image", "source": {}})), "messages.0.content.0.type"),
@@ -151,8 +151,8 @@ def test_sdks_raise_their_own_errors(server: ServerProcess) -> None:
         assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
     with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as oai:
         with pytest.raises(openai.BadRequestError) as refused:
-            oai.responses.create(model="smollm2", input="hi", tools=[{"type": "web_search"}])
-        assert refused.value.param == "tools.0.type"
+            oai.responses.create(model="smollm2", input="hi", background=True)
+        assert refused.value.param == "background"
         with pytest.raises(openai.NotFoundError):
             oai.responses.retrieve("resp_nope")
 
@@ -182,3 +182,27 @@ def test_x_api_key_authenticates_and_errors_stay_anthropics(
         anthropic_error(r, 400, "invalid_request_error")
         r = client.get("/v1/responses/resp_nope", headers={"x-api-key": key})
         openai_error(r, 404, None)
+
+
+def test_hosted_tools_are_refused_where_the_deployment_says(
+    start_server: Callable[..., ServerProcess], driver: EngineDriver
+) -> None:
+    # hosted_tools = "refuse": the 400 naming the tool (the default leaves them out:
+    # tests/server/test_agent_clis.py). Refused before the engine sees anything.
+    srv = start_server(config=scripted_deployment(driver, hosted_tools="refuse"))
+    fields = {"model": "scripted", "max_output_tokens": 5}
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        for tool in ({"type": "web_search"}, {"type": "file_search"}):
+            response = client.post(RESPONSES, json=r(tools=[FN, tool], **fields))
+            err = openai_error(response, 400, "tools.1.type")
+            assert err["code"] == U
+            assert tool["type"] in err["message"]
+        server_tool = {"type": "web_search_20250305", "name": "web_search"}
+        body = m(model="scripted", tools=[server_tool])
+        message = anthropic_error(client.post(MESSAGES, json=body), 400, "invalid_request_error")
+        assert "tools.0.type" in message and "web_search" in message
+    with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0) as oai:
+        with pytest.raises(openai.BadRequestError) as refused:
+            oai.responses.create(model="scripted", input="hi", tools=[{"type": "web_search"}])
+        assert refused.value.param == "tools.0.type"
+    assert driver.seen("started") == 0

@@ -3,8 +3,9 @@ chunks turn back into text, tool calls or JSON. Every HTTP API is a thin adapter
 
 Interface changes since first published (the package's first commit): additions only,
 ``Generation.tool_calls`` (whether the answer is read for calls),
-``Generation.usage()``, :func:`count_prompt`, and ``stop_sequence`` on
-:class:`ChoiceEnd` and :class:`ChoiceResult`.
+``Generation.usage()``, :func:`count_prompt` (which counts a prompt longer than the
+context too), ``stop_sequence`` on :class:`ChoiceEnd` and :class:`ChoiceResult`, and
+``complete`` on :class:`ToolCallEnd` (false: the call was cut by ``max_tokens``).
 
 Layering: this package sits under ``server/`` and over ``gateway/``. It imports no
 web framework and no ``tokenmill.server`` module; an API adapter imports it, never the

@@ -130,7 +130,10 @@ class CallingAnswer:
         finish reason (``stop``: the stop string that ended it)."""
         self.finished = True
         held = [] if self.reader is None else self.reader.close()
-        events = [*self._events(held), *self._end_call()]
+        # A call still open when max_tokens ends the output was cut, unless the
+        # reader saw the whole output (the calls' JSON closed just in time).
+        cut = engine_reason == "length" and not (self.reader is not None and self.reader.complete)
+        events = [*self._events(held), *self._end_call(complete=not cut)]
         reason = self._reason(engine_reason)
         return [*events, ChoiceEnd(self.index, reason, stop if reason == "stop" else None)]
 
@@ -156,13 +159,14 @@ class CallingAnswer:
                 events.append(ToolCallArguments(self.index, e.index, e.text))
         return events
 
-    def _end_call(self) -> list[Event]:
+    def _end_call(self, complete: bool = True) -> list[Event]:
         if not self.calls or self.calls[-1].ended:
             return []
         call = self.calls[-1]
         call.ended = True
         n = len(self.calls) - 1
-        return [ToolCallEnd(self.index, n, call.id, call.name, "".join(call.arguments))]
+        arguments = "".join(call.arguments)
+        return [ToolCallEnd(self.index, n, call.id, call.name, arguments, complete)]
 
 
 Answer = TextAnswer | CallingAnswer

@@ -69,13 +69,15 @@ class ToolCallArguments:
 
 @dataclass(frozen=True, slots=True)
 class ToolCallEnd:
-    """A call is complete (the next call, text or the choice's end follows)."""
+    """A call ended (the next call, text or the choice's end follows). ``complete``
+    is false for a call cut short by ``max_tokens`` (its arguments may be no JSON)."""
 
     choice: int
     call: int
     id: str
     name: str
     arguments: str  # the whole JSON text
+    complete: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,15 @@ from tokenmill.chat.events import (
 from tokenmill.chat.request import ChatRequest, Turn
 from tokenmill.chat.structured import instruct
 from tokenmill.chat.tools import plain, plan_tools, template_needed
-from tokenmill.engines import ChatMessage, GenerationRequest, TokenLogprob, ToolCall, Usage
+from tokenmill.engines import (
+    ChatMessage,
+    GenerationRequest,
+    TokenizeRequest,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+)
+from tokenmill.errors import ContextLengthError
 from tokenmill.gateway import Deployment, Gateway, RequestStream
 from tokenmill.identity import Caller
 
@@ -147,11 +155,23 @@ async def count_prompt(deployment: Deployment, request: ChatRequest) -> int:
     ``prompt_tokens``: cached tokens included), counted as :func:`open_generation`
     counts them: the same rendering (tools, calls, constraint), and a replica's
     ``prepare`` of the same engine request. Checks the request as a generation would
-    (may raise a 400 naming the field); admits, holds and generates nothing."""
+    (may raise a 400 naming the field); admits, holds and generates nothing. A prompt
+    longer than the context is counted all the same (a client counts to learn what
+    to cut), by the replica's tokenizer over the same rendered turns."""
     request_id = f"count-{secrets.token_hex(8)}"  # what prepare() keeps ages out unused
     engine_request, _ = await _engine_request(deployment, request, request_id)
     host = await deployment.any_host()
-    return (await host.prepare(engine_request)).prompt_tokens
+    try:
+        return (await host.prepare(engine_request)).prompt_tokens
+    except ContextLengthError:
+        # prepare() asks room for one token more; tokenize() renders the same turns
+        # (the template's own tools aside: those only prepare() renders).
+        if engine_request.messages is None or engine_request.tools is not None:
+            raise
+        rendered = TokenizeRequest(
+            messages=engine_request.messages, chat_template=engine_request.chat_template
+        )
+        return len(await host.tokenize(rendered))
 
 
 async def _engine_request(

@@ -290,9 +290,26 @@ def arguments_schema(tool: FunctionTool) -> dict[str, Any]:
     params = tool.parameters
     if not params:
         return NO_ARGUMENTS
+    params = dict(_without_string_keys(params))
     if "additionalProperties" in params or "properties" not in params:
         return params
     return {**params, "additionalProperties": False}
+
+
+def _without_string_keys(schema: Any, names: bool = False) -> Any:
+    """``schema`` without ``propertyNames: {"type": "string"}``, which every JSON
+    object meets (its keys are strings) and which the grammar compiler does not
+    implement (Claude Code's tools declare it); any other ``propertyNames`` stays.
+    ``names``: ``schema`` maps property names to schemas (``properties``)."""
+    if isinstance(schema, list):
+        return [_without_string_keys(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {
+        k: _without_string_keys(v, names=not names and k in ("properties", "$defs"))
+        for k, v in schema.items()
+        if names or not (k == "propertyNames" and v == {"type": "string"})
+    }
 
 
 def generic_schema(

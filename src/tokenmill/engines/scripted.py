@@ -22,7 +22,8 @@ Engine -> driver (events)::
 
     {"event": "hello", "pid": P}                     connected; once per instance,
                                                      then it waits for "go"
-    {"event": "started", "id": R, "prompt": S, "prompt_tokens": N, "max_tokens": N}
+    {"event": "started", "id": R, "prompt": S, "prompt_tokens": N, "max_tokens": N,
+     "constraint": KIND | null}                      its structured output's kind
     {"event": "aborted", "id": R, "tokens": N}       cancelled before it finished
     {"event": "ended", "id": R, "reason": "stop" | "length" | "error", "tokens": N}
     {"event": "ignored", "id": R, "op": OP}          a command for no running request
@@ -34,6 +35,11 @@ Driver -> engine (commands)::
                                       loading), so a test can hold a start or restart
     {"op": "emit", "id": R, "n": N}   N tokens, one chunk each (" w1", " w2", ...); at
                                       max_tokens the request finishes with "length"
+    {"op": "say", "id": R, "text": T}    T as one chunk, a token a word (at least
+                                      one); cut to the words max_tokens leaves, which
+                                      then finishes the request with "length". A
+                                      constraint is not enforced: T is the test's to
+                                      write as the grammar would (a tool call's JSON)
     {"op": "finish", "id": R, "reason": "stop" | "length"}
     {"op": "finish", "id": R, "stop": S}     the request ends on its stop string S
                                       (``stop_sequence``; S must be one of the
@@ -182,8 +188,6 @@ class ScriptedEngine:
         refuse_choices(request, "the scripted engine")
         if request.sampling.echo:
             raise InvalidRequestError("the scripted engine does not echo", param="echo")
-        if (c := request.sampling.constraint) is not None:
-            raise InvalidRequestError("the scripted engine follows no grammar", param=c.param)
         n_prompt = count_words(prompt_text(request))
         if n_prompt == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -214,6 +218,7 @@ class ScriptedEngine:
                 "prompt": text,
                 "prompt_tokens": n_prompt,
                 "max_tokens": run.max_tokens,
+                "constraint": None if (c := request.sampling.constraint) is None else c.kind,
             }
         )
         return stream
@@ -232,6 +237,17 @@ class ScriptedEngine:
                 run.tokens += 1
                 self._tokens_generated += 1
                 run.stream.put(Chunk(f" w{run.tokens}", tokens=run.tokens))
+            if run.tokens >= run.max_tokens:
+                self._end(run, Chunk("", "length", run.usage(), run.tokens), "length")
+        elif op == "say":
+            text = str(command.get("text", ""))
+            room = run.max_tokens - run.tokens
+            if count_words(text) > room:
+                text = " ".join(text.split()[:room])
+            n = max(1, count_words(text))
+            run.tokens += n
+            self._tokens_generated += n
+            run.stream.put(Chunk(text, tokens=run.tokens))
             if run.tokens >= run.max_tokens:
                 self._end(run, Chunk("", "length", run.usage(), run.tokens), "length")
         elif op == "eos":  # max_tokens not reached yet: emit ended the run there
@@ -279,7 +295,7 @@ class ScriptedEngine:
                 while True:  # blocks the event loop: no frame, no pong, nothing
                     time.sleep(STALL_SLICE_S)  # noqa: ASYNC251 - the point of a stall
             run = self._runs.get(str(command.get("id")))
-            if run is None or op not in ("emit", "eos", "finish", "fail"):
+            if run is None or op not in ("emit", "say", "eos", "finish", "fail"):
                 self._send({"event": "ignored", "id": command.get("id"), "op": op})
             else:
                 self._run_command(run, command)

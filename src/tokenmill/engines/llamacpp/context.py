@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,36 @@ def mem_available() -> int | None:
     return None
 
 
+__all__ = ["LlamaContext", "RopeScaling"]
+
+log = logging.getLogger("tokenmill.engines.llamacpp")
+
+_ROPE_TYPES = {
+    "none": ll.LLAMA_ROPE_SCALING_TYPE_NONE,
+    "linear": ll.LLAMA_ROPE_SCALING_TYPE_LINEAR,
+    "yarn": ll.LLAMA_ROPE_SCALING_TYPE_YARN,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """RoPE context extension, as llama-server's ``--rope-scaling KIND --rope-scale
+    SCALE --yarn-orig-ctx N``: positions are stretched ``scale`` times (llama.cpp's
+    ``rope_freq_scale`` is its inverse); ``orig_ctx`` is the context the model was
+    trained with (None: the model file's)."""
+
+    kind: str  # "none", "linear" or "yarn"
+    scale: float | None = None
+    orig_ctx: int | None = None
+
+    def apply(self, cparams: Any) -> None:
+        cparams.rope_scaling_type = _ROPE_TYPES[self.kind]
+        if self.scale is not None:
+            cparams.rope_freq_scale = 1.0 / self.scale
+        if self.orig_ctx is not None:
+            cparams.yarn_orig_ctx = self.orig_ctx
+
+
 class LlamaContext:
     """A model loaded for ``n_slots`` sequences of up to ``n_ctx_seq`` tokens each
     (0: the model's trained context, at most ``DEFAULT_MAX_N_CTX``), in a pool of
@@ -79,6 +110,7 @@ class LlamaContext:
         n_threads: int,
         batch_size: int,
         pool_tokens: int | None = None,
+        rope: RopeScaling | None = None,
     ) -> None:
         if not path.is_file():
             raise EngineError(f"model file not found: {path}")
@@ -101,6 +133,8 @@ class LlamaContext:
         cparams.n_threads_batch = n_threads
         cparams.kv_unified = self.unified
         cparams.no_perf = True
+        if rope is not None:
+            rope.apply(cparams)
         ctx = ll.llama_init_from_model(model, cparams)
         if not ctx:
             ll.llama_model_free(model)

@@ -36,7 +36,7 @@ from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
 from tokenmill.engines.llamacpp.choices import Choice, build_group
-from tokenmill.engines.llamacpp.context import LlamaContext, mem_available
+from tokenmill.engines.llamacpp.context import LlamaContext, RopeScaling, mem_available
 from tokenmill.engines.llamacpp.counters import Counters
 from tokenmill.engines.llamacpp.embedder import Embedder
 from tokenmill.engines.llamacpp.grammar import GrammarCache
@@ -91,6 +91,7 @@ class _Loaded:
             n_threads=engine.n_threads,
             batch_size=max(PREFILL_CHUNK + n_slots, 512),
             pool_tokens=engine.kv_pool_tokens,
+            rope=engine.rope,
         )
         context = self.context
         try:
@@ -145,8 +146,10 @@ class LlamaCppEngine:
         adapt_threads: bool = True,
         kv_host_bytes: int | None = None,
         kv_pool_tokens: int | None = None,
+        rope: RopeScaling | None = None,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
+        self.rope = rope  # RoPE context extension (the deployment's rope_* keys)
         self.max_num_seqs = max_num_seqs
         # 0: the model's trained context (known once it is loaded).
         self.n_ctx_seq = n_ctx
@@ -189,6 +192,9 @@ class LlamaCppEngine:
             adapt_threads=config.adapt_threads,
             kv_host_bytes=config.kv_host_bytes,
             kv_pool_tokens=config.kv_pool_tokens,
+            rope=None
+            if config.rope_scaling is None
+            else RopeScaling(config.rope_scaling, config.rope_scale, config.yarn_orig_ctx),
         )
 
     # -- what it has done and holds (health, tests, the bench) -----------------------

@@ -9,7 +9,7 @@ generation (:mod:`tokenmill.chat.events`) and gives the events Anthropic's SDK r
                  content_block_stop
       tool_use:  content_block_start, content_block_delta (input_json_delta)...,
                  content_block_stop
-    message_delta (stop_reason, usage), message_stop
+    message_delta (stop_reason, usage, the context edits applied), message_stop
 
 The message builds up as the events go: the non-streamed answer is the same
 encoder's :attr:`message` once every event is fed, so the two cannot disagree. An
@@ -67,7 +67,10 @@ class MessageEncoder:
     usage); the encoder fills its ``content``, ``stop_reason`` and ``usage``.
     """
 
-    def __init__(self, message: dict[str, Any]) -> None:
+    def __init__(self, message: dict[str, Any], *, window: bool = False) -> None:
+        # window: max_tokens was past the context window, so the output's limit is
+        # the window's (``model_context_window_exceeded``), not the client's.
+        self.window = window
         self.message = message
         self.content: list[dict[str, Any]] = message["content"]
         self._open: dict[str, Any] | None = None  # the block being written
@@ -91,6 +94,8 @@ class MessageEncoder:
             if event.reason == "error":
                 raise TokenmillError("the generation failed", code="server_error")
             self.message["stop_reason"] = STOP_REASONS[event.reason]
+            if event.reason == "length" and self.window:
+                self.message["stop_reason"] = "model_context_window_exceeded"
             if event.stop_sequence is not None:
                 self.message["stop_reason"] = "stop_sequence"
                 self.message["stop_sequence"] = event.stop_sequence
@@ -146,8 +151,11 @@ class MessageEncoder:
             "stop_reason": self.message["stop_reason"],
             "stop_sequence": self.message["stop_sequence"],
         }
-        return [
-            *events,
-            {"type": "message_delta", "delta": delta, "usage": dict(self.message["usage"])},
-            {"type": "message_stop"},
-        ]
+        end: dict[str, Any] = {
+            "type": "message_delta",
+            "delta": delta,
+            "usage": dict(self.message["usage"]),
+        }
+        if "context_management" in self.message:
+            end["context_management"] = self.message["context_management"]
+        return [*events, end, {"type": "message_stop"}]

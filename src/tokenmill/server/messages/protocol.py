@@ -2,10 +2,14 @@
 ``POST /v1/messages/count_tokens``): the requests it validates and the shapes that
 come back (which the OpenAPI document is built from).
 
-A field that asks for something tokenmill does not do (extended thinking, server
-tools such as web search, images, MCP servers...) is refused with a 400 naming it;
-one that changes nothing about the output (``metadata``, ``cache_control``,
-``service_tier``) is accepted; one unknown to tokenmill is ignored. Errors go out in
+A field that asks for something tokenmill does not do (a thinking budget, images, MCP
+servers...) is refused with a 400 naming it; one that asks nothing of a model that
+does not reason (``thinking`` ``adaptive`` or ``disabled``, ``output_config.effort``)
+or changes nothing about the output (``metadata``, ``cache_control``,
+``service_tier``) is accepted, as Anthropic's API accepts them; one unknown to
+tokenmill is ignored. Server tools (web search...) are kept apart
+(:class:`ServerTool`): the deployment's ``hosted_tools`` decides, in serving, whether
+they are refused or left out. Errors go out in
 Anthropic's shape (:func:`tokenmill.server.errors.anthropic_body`). This module knows
 the wire format only; what a request means to generation is
 :mod:`tokenmill.server.messages.serving`'s business.
@@ -37,9 +41,12 @@ Number = Annotated[float, Field(allow_inf_nan=False)]
 # The tags of the unions below (a block, a tool picked by its ``type``): a 400 names
 # the field without them (tokenmill.server.intake.parse_body).
 TAGS = frozenset(
-    {"block:text", "block:tool_use", "block:tool_result", "block:other"}
-    | {"tool:custom", "tool:other"}
+    {"block:text", "block:tool_use", "block:tool_result", "block:thinking", "block:other"}
+    | {"tool:custom", "tool:other", "edit:clear_tool_uses", "edit:clear_thinking"}
+    | {"edit:other"}
 )
+# Effort levels Anthropic's API takes (output_config.effort).
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
 class _Model(BaseModel):
@@ -81,8 +88,17 @@ class ToolResultBlock(_Model):
         return "".join(b.text for b in self.content)
 
 
+class ThinkingBlock(_Model):
+    """An earlier answer's thinking (``thinking`` or ``redacted_thinking``), sent back.
+    Accepted in assistant messages and never shown to the model: Anthropic's API
+    drops earlier turns' thinking from the prompt too, and a model that does not
+    reason has none of its own."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
 class UnsupportedBlock(_Model):
-    """Images, documents, thinking, server tools' blocks...: refused."""
+    """Images, documents, server tools' blocks...: refused."""
 
     type: str
 
@@ -96,6 +112,8 @@ class UnsupportedBlock(_Model):
 
 def _block_tag(value: Any) -> str:
     kind = _kind(value)
+    if kind in ("thinking", "redacted_thinking"):
+        return "block:thinking"
     return f"block:{kind}" if kind in ("text", "tool_use", "tool_result") else "block:other"
 
 
@@ -103,16 +121,21 @@ ContentBlock = Annotated[
     Annotated[TextBlock, Tag("block:text")]
     | Annotated[ToolUseBlock, Tag("block:tool_use")]
     | Annotated[ToolResultBlock, Tag("block:tool_result")]
+    | Annotated[ThinkingBlock, Tag("block:thinking")]
     | Annotated[UnsupportedBlock, Tag("block:other")],
     Discriminator(_block_tag),
 ]
+Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
 
 
 class InputMessage(_Model):
-    role: Literal["user", "assistant"]
+    """A turn. ``system``: an instruction in the middle of the conversation (Claude
+    Code's mid-conversation system messages), rendered in its place."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
-    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
+    def blocks(self) -> list[Block]:
         if isinstance(self.content, str):
             return [TextBlock(type="text", text=self.content)]
         return [b for b in self.content if not isinstance(b, UnsupportedBlock)]
@@ -129,14 +152,12 @@ class CustomTool(_Model):
 
 
 class ServerTool(_Model):
-    """Web search, code execution, bash, text editor, computer use...: refused."""
+    """Web search, code execution, bash, text editor, computer use...: tools the
+    server would run. Refused or left out of the prompt, as the deployment's
+    ``hosted_tools`` says (serving decides)."""
 
     type: str
-
-    @field_validator("type")
-    @classmethod
-    def _refuse(cls, v: str) -> str:
-        raise unsupported(f"the server tool {v!r}", "offer custom tools (with input_schema)")
+    name: str | None = None
 
 
 Tool = Annotated[
@@ -167,25 +188,97 @@ class OutputFormat(_Model):
 
 class OutputConfig(_Model):
     format: OutputFormat | None = None
-    effort: Any = None
-
-    @field_validator("effort")
-    @classmethod
-    def _no_effort(cls, v: Any) -> Any:
-        if v is not None:
-            raise unsupported("an effort level (the models served do not reason)")
-        return v
+    # How hard the model thinks: a model that does not reason has one effort, so
+    # every level is served the same (as Anthropic's API takes it on such models).
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class ThinkingConfig(_Model):
+    """``adaptive`` (the model decides whether to think: one that does not reason
+    never does) and ``disabled`` are served with no thinking blocks; ``enabled`` asks
+    for a thinking budget, which serving refuses naming the model."""
+
+    type: Literal["adaptive", "disabled", "enabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)
+    display: Literal["summarized", "omitted", "updates"] | None = None
+
+
+# -- context management (Anthropic's context editing) ------------------------------
+
+
+class TokensValue(_Model):
+    type: Literal["input_tokens"]
+    value: int = Field(ge=0)
+
+
+class ToolUsesValue(_Model):
+    type: Literal["tool_uses"]
+    value: int = Field(ge=0)
+
+
+class ClearToolUses(_Model):
+    """``clear_tool_uses_20250919``: past ``trigger`` (input tokens, default 100,000;
+    or tool uses), the oldest tool results are replaced by a placeholder, all but the
+    last ``keep`` tool uses (default 3), unless that clears fewer than
+    ``clear_at_least`` tokens; ``clear_tool_inputs``: the calls' inputs too."""
+
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: Annotated[TokensValue | ToolUsesValue, Field(discriminator="type")] = TokensValue(
+        type="input_tokens", value=100_000
+    )
+    keep: ToolUsesValue = ToolUsesValue(type="tool_uses", value=3)
+    clear_at_least: TokensValue | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: bool | list[str] | None = None
+
+
+class ThinkingTurns(_Model):
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=0)
+
+
+class AllTurns(_Model):
+    type: Literal["all"]
+
+
+class ClearThinking(_Model):
+    """``clear_thinking_20251015``: the thinking of all but the last ``keep``
+    assistant turns that have some (default 1; ``all``: none cleared)."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | ThinkingTurns | AllTurns = ThinkingTurns(type="thinking_turns", value=1)
+
+
+class UnsupportedEdit(_Model):
+    """Server-side compaction (``compact_...``) and edits not known: refused."""
+
     type: str
 
     @field_validator("type")
     @classmethod
-    def _disabled_only(cls, v: str) -> str:
-        if v != "disabled":
-            raise unsupported("extended thinking (the models served do not reason)")
-        return v
+    def _refuse(cls, v: str) -> str:
+        raise unsupported(
+            f"the context edit {v!r}", "send clear_tool_uses_20250919 or clear_thinking_20251015"
+        )
+
+
+def _edit_tag(value: Any) -> str:
+    kind = _kind(value)
+    if kind == "clear_tool_uses_20250919":
+        return "edit:clear_tool_uses"
+    return "edit:clear_thinking" if kind == "clear_thinking_20251015" else "edit:other"
+
+
+Edit = Annotated[
+    Annotated[ClearToolUses, Tag("edit:clear_tool_uses")]
+    | Annotated[ClearThinking, Tag("edit:clear_thinking")]
+    | Annotated[UnsupportedEdit, Tag("edit:other")],
+    Discriminator(_edit_tag),
+]
+
+
+class ContextManagement(_Model):
+    edits: list[Edit] = Field(default_factory=list)
 
 
 # -- requests -------------------------------------------------------------------------
@@ -194,7 +287,6 @@ class ThinkingConfig(_Model):
 REFUSED = {
     "container": "code execution containers",
     "mcp_servers": "MCP servers",
-    "context_management": "context management",
 }
 
 
@@ -210,10 +302,10 @@ class CountTokensRequest(BaseModel):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None
     # Refused unless null (REFUSED).
     container: Any = None
     mcp_servers: Any = None
-    context_management: Any = None
 
     @field_validator(*REFUSED, mode="after")
     @classmethod
@@ -222,6 +314,20 @@ class CountTokensRequest(BaseModel):
         if value is not None:
             raise unsupported(REFUSED[info.field_name])
         return value
+
+    @field_validator("messages", mode="after")
+    @classmethod
+    def _starts_with_a_turn(cls, value: list[InputMessage]) -> list[InputMessage]:
+        if value and value[0].role == "system":
+            raise ValueError(
+                "messages.0.role is 'system': a system message may come after the first "
+                "turn (mid-conversation instructions); put the opening one in 'system'"
+            )
+        return value
+
+    def server_tools(self) -> list[tuple[int, ServerTool]]:
+        """The server tools offered, with their index in ``tools``."""
+        return [(i, t) for i, t in enumerate(self.tools or []) if isinstance(t, ServerTool)]
 
     def system_text(self) -> str | None:
         if self.system is None or isinstance(self.system, str):
@@ -271,7 +377,22 @@ class MessageUsage(_Out):
     cache_read_input_tokens: int
 
 
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+# ``model_context_window_exceeded``: max_tokens reached past what the context left,
+# and the answer ended at the window.
+StopReason = Literal[
+    "end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"
+]
+
+
+class AppliedEdit(_Out):
+    type: Literal["clear_tool_uses_20250919", "clear_thinking_20251015"]
+    cleared_input_tokens: int
+    cleared_tool_uses: int | None = None
+    cleared_thinking_turns: int | None = None
+
+
+class ContextManagementResponse(_Out):
+    applied_edits: list[AppliedEdit]
 
 
 class MessageObject(_Out):
@@ -283,10 +404,14 @@ class MessageObject(_Out):
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: MessageUsage
+    context_management: ContextManagementResponse | None = None
 
 
 class TokenCount(_Out):
     input_tokens: int
+    context_management: dict[str, int] | None = Field(
+        default=None, description="`original_input_tokens`: the count before context edits"
+    )
 
 
 class AnthropicErrorDetail(_Out):

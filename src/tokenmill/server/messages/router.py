@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tokenmill.chat.hosted import OMITTED_HEADER
 from tokenmill.server.errors import anthropic_body
 from tokenmill.server.intake import parse_body, ready_gateway
 from tokenmill.server.messages import serving
@@ -78,18 +79,27 @@ _STREAM = typed_event_stream(MessageStreamEvent)
 async def create_message(request: Request) -> Response:
     body = await parse_body(request, MessagesRequest, TAGS)
     gw = ready_gateway(request)
+    deployment = gw.deployment(body.model)
+    omitted = serving.check_model(deployment, body)  # a 400 before any stream
     opening = serving.open_message(
-        gw, gw.deployment(body.model), body, request.state.request_id, request.state.caller
+        gw, deployment, body, request.state.request_id, request.state.caller
     )
-    return await respond(request, opening, body.stream, IN_BAND)
+    response = await respond(request, opening, body.stream, IN_BAND)
+    if omitted:
+        response.headers[OMITTED_HEADER] = ", ".join(omitted)
+    return response
 
 
 @router.post(
     "/v1/messages/count_tokens",
     openapi_extra=json_body(CountTokensRequest),
     responses={**anthropic_errors(400, 404, 413, 503)},
+    response_model_exclude_none=True,
 )
 async def count_tokens(request: Request) -> TokenCount:
     body = await parse_body(request, CountTokensRequest, TAGS)
     deployment = ready_gateway(request).deployment(body.model)
-    return TokenCount(input_tokens=await serving.count_message(deployment, body))
+    count, original = await serving.count_message(deployment, body)
+    if original is None:
+        return TokenCount(input_tokens=count)
+    return TokenCount(input_tokens=count, context_management={"original_input_tokens": original})

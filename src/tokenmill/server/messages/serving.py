@@ -2,11 +2,15 @@
 message (streamed as events, or whole) out.
 
 :func:`open_message` turns the request into the core's
-:class:`~tokenmill.chat.request.ChatRequest` (``system`` first, each ``tool_use``
-block an assistant's call, each ``tool_result`` block a ``tool`` turn naming it) and
-opens it with :func:`tokenmill.chat.open_generation`: the gateway admits, holds
-credit and meters it exactly as any chat. The router sends the returned
-:class:`MessageRun` as events or as one body. Knows nothing of routes.
+:class:`~tokenmill.chat.request.ChatRequest` (``system`` first, a ``system`` message
+in its place, each ``tool_use`` block an assistant's call, each ``tool_result`` block
+a ``tool`` turn naming it; thinking blocks never reach the model), applies its
+context edits (:mod:`~tokenmill.server.messages.context`) and opens it with
+:func:`tokenmill.chat.open_generation`: the gateway admits, holds credit and meters
+it exactly as any chat. A ``max_tokens`` beyond what the context window leaves is
+served up to the window, which ends the message with ``stop_reason:
+"model_context_window_exceeded"`` (as Anthropic's API does). The router sends the
+returned :class:`MessageRun` as events or as one body. Knows nothing of routes.
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ from tokenmill.chat import (
     open_generation,
 )
 from tokenmill.chat import ToolChoice as CoreToolChoice
+from tokenmill.chat.hosted import hosted_tools
 from tokenmill.engines import SamplingParams, ToolCall
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import ContextLengthError, InvalidRequestError, TokenmillError
 from tokenmill.gateway import Deployment, Gateway
 from tokenmill.identity import Caller
+from tokenmill.server.messages.context import clear_thinking, clear_tool_uses, count_tool_uses
 from tokenmill.server.messages.events import MessageEncoder
 from tokenmill.server.messages.protocol import (
+    ClearThinking,
+    ClearToolUses,
     CountTokensRequest,
     CustomTool,
     MessagesRequest,
@@ -59,6 +67,7 @@ class MessageRun:
 
     generation: Generation
     encoder: MessageEncoder
+    omitted_tools: tuple[str, ...] = ()  # hosted tools left out of the prompt
 
     @property
     def request_id(self) -> str:
@@ -99,6 +108,10 @@ def conversation(body: CountTokensRequest) -> tuple[Turn, ...]:
         for block in message.blocks():
             if isinstance(block, TextBlock):
                 texts.append(block.text)
+            elif message.role == "system":
+                raise InvalidRequestError(
+                    "a system message holds text blocks only", param=f"messages.{i}.content"
+                )
             elif isinstance(block, ToolUseBlock):
                 if message.role != "assistant":
                     raise InvalidRequestError(
@@ -119,15 +132,20 @@ def conversation(body: CountTokensRequest) -> tuple[Turn, ...]:
                     result = f"Error: {result}"
                 name = names[block.tool_use_id]
                 turns.append(Turn("tool", result, tool_call_id=block.tool_use_id, name=name))
+            # (A thinking block: an earlier answer's, never shown to the model.)
         if message.role == "assistant":
             turns.append(Turn("assistant", "".join(texts), tuple(calls)))
+        elif message.role == "system":
+            turns.append(Turn("system", "\n\n".join(texts)))
         elif texts:
             turns.append(Turn("user", "".join(texts)))
-    if body.messages[-1].role == "assistant":
+    # The answer follows the last turn (system messages after it are instructions).
+    last = max(i for i, m in enumerate(body.messages) if m.role != "system")
+    if body.messages[last].role == "assistant":
         raise InvalidRequestError(
             "the last message is the assistant's: tokenmill does not continue a prefilled "
             "answer; end with a user message",
-            param=f"messages.{len(body.messages) - 1}.role",
+            param=f"messages.{last}.role",
         )
     return tuple(turns)
 
@@ -175,14 +193,87 @@ def _param(param: str | None) -> str | None:
     return {"response_format": "output_config.format"}.get(param, param)
 
 
-async def count_message(deployment: Deployment, body: CountTokensRequest) -> int:
-    """The prompt tokens a message with ``body`` would be billed for (its
-    ``input_tokens`` plus ``cache_read_input_tokens``): tools and calls included."""
+def check_model(deployment: Deployment, body: CountTokensRequest) -> tuple[str, ...]:
+    """What the deployment cannot serve of ``body`` (a 400), and the hosted tools it
+    leaves out. The models served do not reason: ``thinking`` ``adaptive`` and
+    ``disabled`` ask for nothing they could do, a thinking budget for something
+    they cannot."""
+    if body.thinking is not None and body.thinking.type == "enabled":
+        raise InvalidRequestError(
+            f"thinking.type 'enabled' asks for a thinking budget, and the model of "
+            f'{deployment.id!r} does not reason; send thinking {{"type": "adaptive"}} '
+            'or {"type": "disabled"} (no thinking blocks), or leave it out',
+            param="thinking.type",
+        )
+    offered = [(f"tools.{i}.type", t.name or t.type) for i, t in body.server_tools()]
+    policy = deployment.config.hosted_tools
+    return hosted_tools(policy, deployment.id, offered, "offer custom tools (with input_schema)")
+
+
+async def _count(deployment: Deployment, body: CountTokensRequest) -> int:
     try:
         return await count_prompt(deployment, chat_request(body, SamplingParams(max_tokens=1)))
     except InvalidRequestError as e:
         e.param = _param(e.param)
         raise
+
+
+async def edit_context(
+    deployment: Deployment, body: CountTokensRequest
+) -> tuple[CountTokensRequest, list[dict[str, Any]] | None, int | None]:
+    """``body`` with its context edits applied, the edits applied (None: none asked
+    for) and the prompt's size before them (None: not counted)."""
+    if body.context_management is None:
+        return body, None, None
+    applied: list[dict[str, Any]] = []
+    messages = body.messages
+    original: int | None = None
+    for edit in body.context_management.edits:
+        if isinstance(edit, ClearThinking):
+            messages, turns = clear_thinking(messages, edit)
+            if turns:
+                applied.append(
+                    {"type": edit.type, "cleared_thinking_turns": turns, "cleared_input_tokens": 0}
+                )
+        elif isinstance(edit, ClearToolUses):
+            current = body.model_copy(update={"messages": messages})
+            if edit.trigger.type == "tool_uses":
+                if count_tool_uses(messages) < edit.trigger.value:
+                    continue
+                before = None
+            else:
+                before = await _count(deployment, current)
+                original = before if original is None else original
+                if before < edit.trigger.value:
+                    continue
+            edited, uses = clear_tool_uses(messages, edit)
+            if not uses:
+                continue
+            if before is None:
+                before = await _count(deployment, current)
+                original = before if original is None else original
+            after = await _count(deployment, body.model_copy(update={"messages": edited}))
+            cleared = before - after
+            if cleared <= 0:
+                continue  # results shorter than the placeholder: nothing gained
+            if edit.clear_at_least is not None and cleared < edit.clear_at_least.value:
+                continue  # not worth losing the cached prefix for
+            messages = edited
+            applied.append(
+                {"type": edit.type, "cleared_tool_uses": uses, "cleared_input_tokens": cleared}
+            )
+    return body.model_copy(update={"messages": messages}), applied, original
+
+
+async def count_message(deployment: Deployment, body: CountTokensRequest) -> tuple[int, int | None]:
+    """The prompt tokens a message with ``body`` would be billed for (its
+    ``input_tokens`` plus ``cache_read_input_tokens``): tools and calls included,
+    context edits applied, however long (no room to generate is asked for); and the
+    count before the edits, where they changed it."""
+    check_model(deployment, body)
+    edited, applied, original = await edit_context(deployment, body)
+    count = await _count(deployment, edited)
+    return count, original if applied else None
 
 
 async def open_message(
@@ -193,6 +284,9 @@ async def open_message(
     caller: Caller,
 ) -> MessageRun:
     """Build the core's request and open it through the gateway (may raise)."""
+    omitted = check_model(deployment, body)
+    edited, applied, _ = await edit_context(deployment, body)
+    assert isinstance(edited, MessagesRequest)
     sampling = SamplingParams(
         max_tokens=body.max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -200,10 +294,25 @@ async def open_message(
         top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()),
     )
+    window = False  # max_tokens went past the context: the window ends the message
     try:
-        generation = await open_generation(
-            gateway, deployment, chat_request(body, sampling), request_id, caller
-        )
+        try:
+            generation = await open_generation(
+                gateway, deployment, chat_request(edited, sampling), request_id, caller
+            )
+        except ContextLengthError as e:
+            if e.param != "max_tokens":
+                raise
+            # The rest of the window (max_tokens 0), up to which the message is served.
+            sampling = replace(sampling, max_tokens=0)
+            try:
+                generation = await open_generation(
+                    gateway, deployment, chat_request(edited, sampling), request_id, caller
+                )
+            except ContextLengthError as too_long:
+                too_long.param = "messages"  # the prompt alone fills the window
+                raise
+            window = True
     except InvalidRequestError as e:
         e.param = _param(e.param)
         raise
@@ -222,4 +331,6 @@ async def open_message(
             "cache_read_input_tokens": 0,
         },
     }
-    return MessageRun(generation, MessageEncoder(message))
+    if applied is not None:
+        message["context_management"] = {"applied_edits": applied}
+    return MessageRun(generation, MessageEncoder(message, window=window), omitted)

@@ -79,8 +79,10 @@ class ResponseEncoder:
     ends short or fails, ``incomplete_details`` or ``error``.
     """
 
-    def __init__(self, response: dict[str, Any]) -> None:
+    def __init__(self, response: dict[str, Any], namespaces: dict[str, str] | None = None) -> None:
         self.response = response
+        # function name -> the namespace tool it came from (its calls name it)
+        self._namespaces = namespaces or {}
         self.output: list[dict[str, Any]] = response["output"]
         self._sequence = 0
         self._message: dict[str, Any] | None = None  # the message item being written
@@ -116,7 +118,9 @@ class ResponseEncoder:
         if isinstance(event, ToolCallArguments):
             return self._arguments(event.text)
         if isinstance(event, ToolCallEnd):
-            return self._close_call(event.arguments, "completed")
+            # A call cut by max_output_tokens is incomplete (its arguments no JSON).
+            status = "completed" if event.complete else "incomplete"
+            return self._close_call(event.arguments, status)
         if isinstance(event, ChoiceEnd):
             self._reason = event.reason
             return self._end_choice(event.reason)
@@ -216,6 +220,8 @@ class ResponseEncoder:
             "arguments": "",
             "status": "in_progress",
         }
+        if start.name in self._namespaces:
+            call["namespace"] = self._namespaces[start.name]
         self._call = call
         self.output.append(call)
         index = len(self.output) - 1

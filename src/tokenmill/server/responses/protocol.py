@@ -2,12 +2,15 @@
 validates, the items a conversation is made of, and the shapes that come back (which
 the OpenAPI document is built from).
 
-A field that asks for something tokenmill does not do (built-in tools, ``background``,
-``reasoning`` on a model that does not reason, a conversation object...) is refused
-with a 400 naming it (code ``unsupported_parameter``), unless its value asks for
-nothing; one that changes nothing about the output (``user``, ``service_tier``...) is
-accepted; one unknown to tokenmill is ignored, as OpenAI's clients send fields a
-given server may not know. This module knows the wire format only: what a request
+A field that asks for something tokenmill does not do (``background``, a conversation
+object...) is refused with a 400 naming it (code ``unsupported_parameter``), unless
+its value asks for nothing; one that asks nothing of a model that does not reason
+(``reasoning``, ``include: ["reasoning.encrypted_content"]``) or changes nothing about
+the output (``user``, ``service_tier``...) is accepted; one unknown to tokenmill is
+ignored, as OpenAI's clients send fields a given server may not know. A ``namespace``
+tool is the function tools it groups. Built-in tools (web search...) are kept apart
+(:class:`BuiltinToolParam`): the deployment's ``hosted_tools`` decides, in serving,
+whether they are refused or left out. This module knows the wire format only: what a request
 means to generation is :mod:`tokenmill.server.responses.serving`'s business.
 """
 
@@ -42,7 +45,8 @@ Number = Annotated[float, Field(allow_inf_nan=False)]
 # 400 names the field without them (tokenmill.server.intake.parse_body).
 TAGS = frozenset(
     {"part:text", "part:refusal", "part:other", "item:message", "item:function_call"}
-    | {"item:function_call_output", "item:other", "tool:function", "tool:other"}
+    | {"item:function_call_output", "item:other", "tool:function", "tool:namespace"}
+    | {"tool:other"}
     | {"choice:str", "choice:dict"}
 )
 
@@ -125,6 +129,7 @@ class FunctionCallItem(_Model):
     id: str | None = None
     call_id: str = Field(min_length=1)
     name: str
+    namespace: str | None = None  # the namespace tool the function belongs to
     arguments: str
     status: str | None = None
 
@@ -193,24 +198,33 @@ class FunctionToolParam(_Model):
     )
 
 
+class NamespaceToolParam(_Model):
+    """A group of function tools under one name (Codex CLI's ``multi_agent_v1``...):
+    the model is offered its functions, and a call of one names the namespace in its
+    item's ``namespace``, as OpenAI's do."""
+
+    type: Literal["namespace"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    tools: list[FunctionToolParam] = Field(min_length=1, max_length=MAX_TOOLS)
+
+
 class BuiltinToolParam(_Model):
-    """Web search, file search, code interpreter, computer use, MCP...: refused."""
+    """Web search, file search, code interpreter, computer use, MCP...: tools OpenAI's
+    servers run. Refused or left out of the prompt, as the deployment's
+    ``hosted_tools`` says (serving decides)."""
 
     type: str
-
-    @field_validator("type")
-    @classmethod
-    def _refuse(cls, v: str) -> str:
-        raise unsupported(f"the built-in tool {v!r}", "offer function tools only")
 
 
 def _tool_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "tool:function" if kind == "function" else "tool:other"
+    return f"tool:{kind}" if kind in ("function", "namespace") else "tool:other"
 
 
 ToolParam = Annotated[
     Annotated[FunctionToolParam, Tag("tool:function")]
+    | Annotated[NamespaceToolParam, Tag("tool:namespace")]
     | Annotated[BuiltinToolParam, Tag("tool:other")],
     Discriminator(_tool_tag),
 ]
@@ -277,9 +291,13 @@ NEUTRAL_INCLUDES = frozenset({"reasoning.encrypted_content"})
 
 
 class ReasoningParam(_Model):
-    effort: str | None = None
-    summary: str | None = None
-    generate_summary: str | None = None
+    """How a reasoning model reasons: a model that does not reason has no reasoning
+    to spend effort on or summarise, so every value is served the same (no reasoning
+    items), as OpenAI's API serves it to such models."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed", "none"] | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -308,10 +326,11 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
     include: list[str] | None = None
     reasoning: ReasoningParam | None = Field(
-        default=None, description="refused: the models served do not reason"
+        default=None, description="accepted; no effect on a model that does not reason"
     )
-    # Accepted no-ops: bookkeeping for OpenAI's platform.
+    # Accepted no-ops: bookkeeping for OpenAI's platform (and Codex's own).
     service_tier: Any = None
+    client_metadata: Any = None
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
@@ -345,19 +364,26 @@ class ResponsesRequest(BaseModel):
                 raise unsupported(f"including {name!r}")
         return value
 
-    @field_validator("reasoning", mode="after")
-    @classmethod
-    def _no_reasoning(cls, value: ReasoningParam | None) -> ReasoningParam | None:
-        if value is None or (value.effort in (None, "none") and value.summary is None):
-            return value
-        raise unsupported("reasoning (the models served do not reason)", "leave it out")
-
     @field_validator("metadata", mode="after")
     @classmethod
     def _metadata_keys(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         if value is not None and any(len(k) > 64 for k in value):
             raise ValueError("metadata keys are at most 64 characters")
         return value
+
+    def functions(self) -> list[tuple[FunctionToolParam, str | None]]:
+        """The function tools offered, each with its namespace (None: a tool alone)."""
+        out: list[tuple[FunctionToolParam, str | None]] = []
+        for tool in self.tools or []:
+            if isinstance(tool, FunctionToolParam):
+                out.append((tool, None))
+            elif isinstance(tool, NamespaceToolParam):
+                out += [(t, tool.name) for t in tool.tools]
+        return out
+
+    def builtin_tools(self) -> list[tuple[int, BuiltinToolParam]]:
+        """The built-in tools offered, with their index in ``tools``."""
+        return [(i, t) for i, t in enumerate(self.tools or []) if isinstance(t, BuiltinToolParam)]
 
     def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
         """The input as items (a string is one user message)."""
@@ -405,6 +431,7 @@ class OutputFunctionCall(_Out):
     type: Literal["function_call"]
     call_id: str
     name: str
+    namespace: str | None = None
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]
 

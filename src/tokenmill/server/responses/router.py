@@ -14,6 +14,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
+from tokenmill.chat.hosted import OMITTED_HEADER
 from tokenmill.ledger import ResponseStore
 from tokenmill.server.intake import parse_body, ready_gateway
 from tokenmill.server.openapi import (
@@ -71,15 +72,20 @@ _STREAM = typed_event_stream(StreamEvent)
 async def create_response(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest, TAGS)
     gw = ready_gateway(request)
+    deployment = gw.deployment(body.model)
+    omitted = serving.check_tools(deployment, body)  # a 400 before any stream
     opening = serving.open_response(
         gw,
-        gw.deployment(body.model),
+        deployment,
         body,
         request.state.request_id,
         request.state.caller,
         store_of(request),
     )
-    return await respond(request, opening, body.stream, IN_BAND)
+    response = await respond(request, opening, body.stream, IN_BAND)
+    if omitted:
+        response.headers[OMITTED_HEADER] = ", ".join(omitted)
+    return response
 
 
 @router.get(

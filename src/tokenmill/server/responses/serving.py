@@ -27,6 +27,7 @@ from tokenmill.chat import (
     ToolChoice,
     open_generation,
 )
+from tokenmill.chat.hosted import hosted_tools
 from tokenmill.engines import SamplingParams
 from tokenmill.errors import InvalidRequestError, NotFoundError, TokenmillError
 from tokenmill.gateway import Deployment, Gateway
@@ -35,7 +36,7 @@ from tokenmill.ledger import ResponseStore
 from tokenmill.server.responses.events import ResponseEncoder
 from tokenmill.server.responses.items import new_id, output_items, stored_items, turns
 from tokenmill.server.responses.protocol import (
-    FunctionToolParam,
+    BuiltinToolParam,
     InputItemsQuery,
     NamedFunctionChoice,
     ResponsesRequest,
@@ -61,6 +62,7 @@ class ResponseRun:
     store: ResponseStore | None  # None: not stored (store: false)
     account_id: str
     conversation: list[dict[str, Any]]  # the input items, history first
+    omitted_tools: tuple[str, ...] = ()  # hosted tools left out of the prompt
 
     @property
     def request_id(self) -> str:
@@ -127,10 +129,10 @@ def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> 
         top_p=1.0 if body.top_p is None else body.top_p,
         constraint=constraint,
     )
+    # A namespace's functions are offered by their own names (the call's item names
+    # the namespace again: ResponseEncoder).
     tools = tuple(
-        FunctionTool(t.name, t.description, t.parameters, t.strict)
-        for t in body.tools or []
-        if isinstance(t, FunctionToolParam)
+        FunctionTool(t.name, t.description, t.parameters, t.strict) for t, _ in body.functions()
     )
     return ChatRequest(
         sampling=sampling,
@@ -141,12 +143,27 @@ def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> 
     )
 
 
-def _param(param: str | None) -> str | None:
+def _tool_params(body: ResponsesRequest) -> list[str]:
+    """Where each function tool offered to the core is in the request (``tools.4``, or
+    ``tools.4.tools.1`` in a namespace)."""
+    where: list[str] = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.type == "namespace":
+            where += [f"tools.{i}.tools.{j}" for j in range(len(getattr(tool, "tools", [])))]
+        elif tool.type == "function":
+            where.append(f"tools.{i}")
+    return where
+
+
+def _param(param: str | None, body: ResponsesRequest) -> str | None:
     """A field's name as the core spells it (chat's), as this API spells it."""
     if param is None:
         return None
     if param.startswith("tools.") and ".function." in param:
-        return param.replace(".function.", ".", 1)
+        index, rest = param.split(".function.", 1)
+        where = _tool_params(body)
+        n = int(index.removeprefix("tools."))
+        return f"{where[n]}.{rest}" if n < len(where) else f"{index}.{rest}"
     return {"response_format": "text.format", "max_tokens": "max_output_tokens"}.get(param, param)
 
 
@@ -170,7 +187,12 @@ def skeleton(body: ResponsesRequest, model: str, response_id: str) -> dict[str, 
         "max_output_tokens": body.max_output_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "tools": [t.model_dump(mode="json", exclude_none=True) for t in body.tools or []],
+        # The tools served: hosted ones left out are not (the omitted-tools header).
+        "tools": [
+            t.model_dump(mode="json", exclude_none=True)
+            for t in body.tools or []
+            if not isinstance(t, BuiltinToolParam)
+        ],
         "tool_choice": choice.model_dump() if isinstance(choice, NamedFunctionChoice)
         else choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -179,9 +201,17 @@ def skeleton(body: ResponsesRequest, model: str, response_id: str) -> dict[str, 
         "metadata": body.metadata or {},
         "user": body.user,
         "background": False,
-        "reasoning": None,
+        # As asked (a model that does not reason does nothing with it).
+        "reasoning": body.reasoning.model_dump(exclude_none=True) if body.reasoning else None,
         "truncation": "disabled",
     }  # fmt: skip
+
+
+def check_tools(deployment: Deployment, body: ResponsesRequest) -> tuple[str, ...]:
+    """The built-in tools the deployment leaves out (or a 400, where it refuses them)."""
+    offered = [(f"tools.{i}.type", t.type) for i, t in body.builtin_tools()]
+    policy = deployment.config.hosted_tools
+    return hosted_tools(policy, deployment.id, offered, "offer function tools only")
 
 
 async def open_response(
@@ -193,6 +223,7 @@ async def open_response(
     store: ResponseStore,
 ) -> ResponseRun:
     """Read the conversation, open its generation through the gateway (may raise)."""
+    omitted = check_tools(deployment, body)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = await store.get(body.previous_response_id, caller.account_id)
@@ -207,15 +238,16 @@ async def open_response(
             gateway, deployment, chat_request(body, conversation), request_id, caller
         )
     except InvalidRequestError as e:
-        e.param = _param(e.param)
+        e.param = _param(e.param, body)
         raise
     response = skeleton(body, body.model or deployment.id, new_id("resp"))
     return ResponseRun(
         generation=generation,
-        encoder=ResponseEncoder(response),
+        encoder=ResponseEncoder(response, {t.name: ns for t, ns in body.functions() if ns}),
         store=store if body.store else None,
         account_id=caller.account_id,
         conversation=conversation,
+        omitted_tools=omitted,
     )
 
 
