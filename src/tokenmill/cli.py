@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--n-ctx",
         type=int,
-        help="tokens one sequence may hold (default: the model's trained context)",
+        help="tokens one sequence may hold (default 2048; 0: the model's trained context, "
+        "its slots then sharing one KV pool)",
     )
     serve.add_argument("--max-num-seqs", type=int, help="sequences a replica runs at once (16)")
     serve.add_argument(

@@ -228,8 +228,10 @@ class LlamaCppDeployment(ReplicatedDeployment):
     # lose to one (see tokenmill.engines.llamacpp.threads). false: always n_threads.
     adapt_threads: bool = True
     # Tokens one sequence may hold (prompt and completion); 0: the model's trained
-    # context (8,192 for the embedded SmolLM2), at most 32,768.
-    n_ctx: int = Field(default=0, ge=0)
+    # context (8,192 for the embedded SmolLM2), at most 32,768. The default keeps a KV
+    # stream per slot (16 x 2,048 cells), where a greedy answer is the same alone or
+    # batched; a larger n_ctx shares one pool between the slots (docs/operations.md).
+    n_ctx: int = Field(default=DEFAULT_N_CTX, ge=0)
     # KV cells of a replica, all its slots together (docs/operations.md). Unset: 2,048 a
     # slot, or n_ctx if more. Below max_num_seqs x n_ctx the slots share one pool.
     kv_pool_tokens: int | None = Field(default=None, ge=64)
