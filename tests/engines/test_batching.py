@@ -121,9 +121,6 @@ def test_on_the_shared_pool_batched_differs_from_solo_only_at_near_ties(
             assert len(top) == 2, run[at]
             gap = top[0]["logprob"] - top[1]["logprob"]
             assert gap <= NEAR_TIE, (i, at, run[at])
-        if at < min(len(a), len(b)):  # both chose between the same two tokens
-            pair = {t["token"] for t in a[at]["top_logprobs"]}
-            assert pair == {a[at]["token"], b[at]["token"]}, (a[at], b[at])
     assert len({text_of(r) for r in batched}) >= 16
 
 
