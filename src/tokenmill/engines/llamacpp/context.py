@@ -25,7 +25,13 @@ import numpy as np
 from tokenmill.engines.llamacpp.vocab import Vocab, init_backend, model_params
 from tokenmill.errors import EngineError
 
-__all__ = ["DEFAULT_MAX_N_CTX", "POOL_TOKENS_PER_SLOT", "LlamaContext", "kv_bytes_per_token"]
+__all__ = [
+    "DEFAULT_MAX_N_CTX",
+    "POOL_TOKENS_PER_SLOT",
+    "LlamaContext",
+    "RopeScaling",
+    "kv_bytes_per_token",
+]
 
 log = logging.getLogger("tokenmill.engines.llamacpp")
 
@@ -60,10 +66,6 @@ def mem_available() -> int | None:
         pass
     return None
 
-
-__all__ = ["LlamaContext", "RopeScaling"]
-
-log = logging.getLogger("tokenmill.engines.llamacpp")
 
 _ROPE_TYPES = {
     "none": ll.LLAMA_ROPE_SCALING_TYPE_NONE,
