@@ -82,11 +82,14 @@ def test_batched_equals_solo_and_32_streams_stay_separate(
 
 # How far apart two tokens' log probabilities may be and still swap places between
 # batch shapes on the shared pool. A sequence's cells sit among other sequences' there,
-# attention runs over them in another layout, and its sums round differently: the
-# prompt's first token comes out the same, bit for bit (asserted below), but later
-# logprobs drift, by up to 0.22 in 32 answers of 24 tokens seen here. Tokens crossing
-# between sequences, or a prefix copied wrong, part answers where the model is sure (a
-# state copy into the pool once moved a first token's logprob by 2 nats).
+# attention runs over them in another layout, and its sums round differently. Where a
+# sequence's cells start in the pool moves how llama.cpp's CPU attention groups them
+# into tiles (prefill) and chunks (one token a step), so even the prompt's first token
+# may drift: 0.18 nats on the top tokens of one prompt computed 170 cells further in
+# (raw llama.cpp, one thread); logprobs drifted up to 0.22 in 32 answers of 24 tokens
+# seen here. Tokens crossing between sequences, or a prefix copied wrong, part answers
+# where the model is sure (a state copy into the pool once moved a first token's
+# logprob by 2 nats).
 NEAR_TIE = 0.5
 
 
@@ -109,8 +112,6 @@ def test_on_the_shared_pool_batched_differs_from_solo_only_at_near_ties(
     for i, (alone, among) in enumerate(zip(solo, batched, strict=True)):
         a = alone["choices"][0]["logprobs"]["content"]
         b = among["choices"][0]["logprobs"]["content"]
-        # The prompt was computed alike: its first token's distribution is the same.
-        assert a[0] == b[0], (i, a[0], b[0])
         at = first_difference(a, b)
         if at is None:
             continue
