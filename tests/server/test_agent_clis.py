@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -273,19 +272,6 @@ def first_request_served(proxy: RecordingProxy, path: str) -> Exchange:
     return first
 
 
-def served_record(srv: ServerProcess, request_id: str) -> dict[str, Any] | None:
-    """The request's last record: a Messages request whose max_tokens is past the
-    window is opened twice under one id (the engine refuses the first, the second
-    asks for the rest of the window), and the refused attempt is logged too."""
-    records = [
-        json.loads(line.split("tokenmill.requests: ", 1)[1])
-        for line in srv.log().splitlines()
-        if request_id in line and "tokenmill.requests: {" in line
-    ]
-    served = [r for r in records if r["status"] != "rejected"]
-    return served[-1] if served else None
-
-
 def serve_first_request(
     srv: ServerProcess, proxy: RecordingProxy, argv: list[str], env: dict[str, str], path: str
 ) -> Exchange:
@@ -303,7 +289,7 @@ def serve_first_request(
             proc.kill()
             proc.communicate(timeout=HANG_S)
     rid = first.headers["x-request-id"]
-    record = wait_until(partial(served_record, srv, rid), f"{rid}'s record")
+    record = wait_until(partial(srv.request_line, rid), f"{rid}'s record")
     assert record["status"] == "ok", record
     assert record["prompt_tokens"] > 8192, record  # past SmolLM2's trained 8k
     return first

@@ -91,6 +91,11 @@ def test_claude_codes_fields_on_a_model_that_does_not_reason(
     assert [b["type"] for b in message["content"]] == ["text"]  # no thinking blocks
     assert message["context_management"] == {"applied_edits": []}
     assert message["usage"]["output_tokens"] == started["max_tokens"]
+    # One request, opened once: no refusal counted for it on the way to the window.
+    lines = client.get("/metrics").text.splitlines()
+    assert not [x for x in lines if x.startswith("tokenmill_request_errors_total{")]
+    ended = [x for x in lines if x.startswith("tokenmill_request_success_total{")]
+    assert [x.rsplit(" ", 1)[1] for x in ended] == ["1.0"], ended
 
 
 def test_a_thinking_budget_is_refused_naming_the_model(

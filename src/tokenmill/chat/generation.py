@@ -141,12 +141,16 @@ async def open_generation(
     caller: Caller,
     *,
     session: str | None = None,
+    up_to_window: bool = False,
 ) -> Generation:
     """Check, build and open the engine request (may raise: a 400 naming the field,
     or whatever the gateway refuses with before streaming). ``session`` is the
-    routing's affinity hint (a conversation's id, or its user)."""
+    routing's affinity hint (a conversation's id, or its user); ``up_to_window``
+    serves a ``max_tokens`` past the context window up to it (:meth:`Gateway.open`)."""
     engine_request, output = await _engine_request(deployment, request, request_id)
-    stream = await gateway.open(deployment, engine_request, caller, session=session)
+    stream = await gateway.open(
+        deployment, engine_request, caller, session=session, up_to_window=up_to_window
+    )
     return Generation(stream, output)
 
 

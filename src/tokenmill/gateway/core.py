@@ -371,6 +371,7 @@ class Gateway:
         caller: Caller = ANONYMOUS,
         *,
         session: str | None = None,
+        up_to_window: bool = False,
     ) -> RequestStream:
         """Admit, count the prompt, route it, hold credit. Raises before streaming.
 
@@ -378,12 +379,17 @@ class Gateway:
         replica; the routing policy then chooses the replica with its token ids in
         hand, and one other than the preparer is handed the ids with the request.
         ``session`` (the ``user`` field or ``x-session-id``) is an affinity hint.
+        ``up_to_window``: a ``max_tokens`` past what the context leaves is served up
+        to the window (the stream's ``request`` then carries the smaller one) instead
+        of refused.
         """
         record = RequestRecord(request.request_id, deployment.id, caller)
         marks = stages.current()
         if marks is not None:  # the HTTP request's, with its marks so far
             record.marks = marks
-        reservation = Reservation(deployment, request, record, self.meter)
+        reservation = Reservation(
+            deployment, request, record, self.meter, up_to_window=up_to_window
+        )
         try:
             self.check_admits(caller, "generate")
             await reservation.admit()

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from tokenmill.config import Price
 from tokenmill.engines import GenerationRequest, PromptInfo
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import ContextLengthError, InvalidRequestError
 from tokenmill.gateway.deployment import Deployment, Replica
 from tokenmill.gateway.records import RequestRecord
 from tokenmill.gateway.routing import RouteQuery
@@ -59,9 +59,14 @@ class Reservation:
         request: GenerationRequest,
         record: RequestRecord,
         meter: Meter,
+        *,
+        up_to_window: bool = False,
     ) -> None:
         self.deployment = deployment
         self.request = request
+        # max_tokens past what the context leaves asks for the rest of the window
+        # (Anthropic's Messages) instead of a 400.
+        self._up_to_window = up_to_window
         self.record = record
         self._meter = meter
         self._caller = record.caller
@@ -97,7 +102,16 @@ class Reservation:
         deployment.preparing += 1
         try:
             self._preparer = await deployment.any_host()
-            info = await self._preparer.prepare(self.request)
+            try:
+                info = await self._preparer.prepare(self.request)
+            except ContextLengthError as e:
+                if not self._up_to_window or e.param != "max_tokens":
+                    raise
+                # The rest of the window (max_tokens 0), which hold() takes: still a
+                # ContextLengthError if the prompt alone fills it.
+                sampling = dataclasses.replace(self.request.sampling, max_tokens=0)
+                self.request = dataclasses.replace(self.request, sampling=sampling)
+                info = await self._preparer.prepare(self.request)
         finally:
             deployment.preparing -= 1
         self.record.marks["prepared"] = time.monotonic()

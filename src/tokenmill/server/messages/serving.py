@@ -294,28 +294,22 @@ async def open_message(
         top_k=body.top_k or 0,
         stop=tuple(body.stop_sequences or ()),
     )
-    window = False  # max_tokens went past the context: the window ends the message
     try:
-        try:
-            generation = await open_generation(
-                gateway, deployment, chat_request(edited, sampling), request_id, caller
-            )
-        except ContextLengthError as e:
-            if e.param != "max_tokens":
-                raise
-            # The rest of the window (max_tokens 0), up to which the message is served.
-            sampling = replace(sampling, max_tokens=0)
-            try:
-                generation = await open_generation(
-                    gateway, deployment, chat_request(edited, sampling), request_id, caller
-                )
-            except ContextLengthError as too_long:
-                too_long.param = "messages"  # the prompt alone fills the window
-                raise
-            window = True
+        # A max_tokens past what the context leaves is served up to the window.
+        generation = await open_generation(
+            gateway, deployment, chat_request(edited, sampling), request_id, caller,
+            up_to_window=True,
+        )  # fmt: skip
+    except ContextLengthError as e:
+        if e.param == "max_tokens":
+            e.param = "messages"  # the prompt alone fills the window
+        e.param = _param(e.param)
+        raise
     except InvalidRequestError as e:
         e.param = _param(e.param)
         raise
+    # max_tokens went past the context: the window ends the message.
+    window = generation.stream.request.sampling.max_tokens < sampling.max_tokens
     message: dict[str, Any] = {
         "id": message_id(),
         "type": "message",
