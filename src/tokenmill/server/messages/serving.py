@@ -300,12 +300,9 @@ async def open_message(
             gateway, deployment, chat_request(edited, sampling), request_id, caller,
             up_to_window=True,
         )  # fmt: skip
-    except ContextLengthError as e:
-        if e.param == "max_tokens":
-            e.param = "messages"  # the prompt alone fills the window
-        e.param = _param(e.param)
-        raise
     except InvalidRequestError as e:
+        if isinstance(e, ContextLengthError) and e.param == "max_tokens":
+            e.param = "messages"  # the prompt alone fills the window
         e.param = _param(e.param)
         raise
     # max_tokens went past the context: the window ends the message.
