@@ -18,7 +18,12 @@ import pytest
 from tests.driver import EngineDriver
 from tokenmill.config import Price, ScriptedDeployment, Settings
 from tokenmill.engines import GenerationRequest, SamplingParams
-from tokenmill.errors import ContextLengthError, InsufficientCreditError, InvalidRequestError
+from tokenmill.errors import (
+    ContextLengthError,
+    EngineError,
+    InsufficientCreditError,
+    InvalidRequestError,
+)
 from tokenmill.gateway import Gateway, RequestRecord
 from tokenmill.gateway.reservation import Reservation
 from tokenmill.identity import Caller
@@ -233,3 +238,27 @@ async def test_a_caller_gone_while_its_replica_loads_gives_back_the_permit(
     await reservation.release()  # nothing twice
     assert held(gw, meter) == NOTHING
     driver.release_starts()
+
+
+async def test_a_request_its_replica_could_not_take_is_settled_unbilled(
+    gateway: tuple[Gateway, SteppedMeter, Watcher],
+    driver: EngineDriver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Held, then its replica dies as the request is handed over: the caller gets the
+    error (a 502, before any byte of a response), and the hold is settled for nothing,
+    as no engine read its prompt (seen in CI: a prompt billed on a refused request)."""
+    gw, meter, watcher = gateway
+    host = gw.deployment("scripted").replicas[0].host
+
+    def dead(req: GenerationRequest) -> object:
+        raise EngineError("the replica is not running")
+
+    monkeypatch.setattr(host, "generate", dead)
+    with pytest.raises(EngineError):
+        await gw.open(gw.deployment("scripted"), request("r1"), ALICE)
+    assert held(gw, meter) == NOTHING
+    assert meter.settled == {"r1": Settlement("r1", 4, 0, "error", 0)}
+    (record,) = watcher.ended
+    assert (record.status, record.charged) == ("error", 0)
+    assert driver.seen("started", "r1") == 0

@@ -238,7 +238,7 @@ class RequestStream:
                 self._count_service()  # the last step's, if the account still runs
         finally:
             try:
-                await self._books.settle(rec)
+                await self._books.settle(rec, dispatched=stream is not None)
             finally:
                 finished(rec, self._observers)
                 self._streams.discard(self)

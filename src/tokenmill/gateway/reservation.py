@@ -240,19 +240,22 @@ class Books:
         held_s = time.monotonic() - record.started - record.queue_s
         self.deployment.admission.release(held_s, self._weight, record.caller.account_id)
 
-    async def settle(self, record: RequestRecord) -> None:
+    async def settle(self, record: RequestRecord, *, dispatched: bool = True) -> None:
         """Charge the tokens ``record`` counts and release the rest of the hold (once).
-        It survives the caller's cancellation: no token goes unbilled."""
+        It survives the caller's cancellation: no token goes unbilled. A request never
+        ``dispatched`` (its replica died as it was handed over) reached no engine: its
+        prompt was never read, and nothing is charged."""
         if self._settled:
             return
         self._settled = True
         record.duration_s = time.monotonic() - record.started
+        charged = self.charge(record.prompt_tokens, record.completion_tokens) if dispatched else 0
         settlement = Settlement(
             request_id=record.request_id,
             prompt_tokens=record.prompt_tokens,
             completion_tokens=record.completion_tokens,
             finish_reason=record.finish_reason,
-            charged=self.charge(record.prompt_tokens, record.completion_tokens),
+            charged=charged,
         )
         record.charged = settlement.charged
         await shielded(self._meter.settle(self.hold, settlement))
