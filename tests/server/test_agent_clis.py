@@ -19,8 +19,10 @@ server, so the tests assert what the client really sent and got back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -128,24 +130,39 @@ def proxy_to() -> Iterator[Callable[[ServerProcess], RecordingProxy]]:
         p.close()
 
 
+@contextlib.contextmanager
+def cli_process(argv: list[str], env: dict[str, str], cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    """A CLI running in its own process group, the whole group killed on the way out.
+
+    Codex's ``codex`` is a node script that runs its native binary as a child: killing
+    the script alone left the child holding the pipes, and reading them to their end
+    hung (seen in CI)."""
+    with subprocess.Popen(
+        argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            yield proc
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 def run_cli(
     argv: list[str], env: dict[str, str], cwd: Path, step: Callable[[], None] = lambda: None
 ) -> subprocess.CompletedProcess[str]:
     """Run a CLI to its end, calling ``step`` while it runs (the test's model plays
     its part there); a CLI still running after CLI_TIMEOUT_S is killed and fails."""
-    with subprocess.Popen(
-        argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    ) as proc:  # fmt: skip
+    with cli_process(argv, env, cwd) as proc:
         deadline = time.monotonic() + CLI_TIMEOUT_S
         while proc.poll() is None and time.monotonic() < deadline:
             step()
             time.sleep(POLL_S)
         if proc.poll() is None:
-            proc.kill()
-            out, err = proc.communicate()
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate(timeout=HANG_S)
             pytest.fail(f"{argv[0]} hung for {CLI_TIMEOUT_S} s:\n{out}\n{err}")
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=HANG_S)
         return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
@@ -279,14 +296,11 @@ def serve_first_request(
     model does next is its own), and check that request's record."""
     Path(env["HOME"]).mkdir(exist_ok=True)
     work = Path(env["HOME"]).parent / "work"
-    with subprocess.Popen(
-        argv, env=env, cwd=work, stdin=subprocess.DEVNULL, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    ) as proc:  # fmt: skip
+    with cli_process(argv, env, work) as proc:
         try:
             first = first_request_served(proxy, path)
         finally:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=HANG_S)
     rid = first.headers["x-request-id"]
     record = wait_until(partial(srv.request_line, rid), f"{rid}'s record")
