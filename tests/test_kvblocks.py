@@ -15,6 +15,7 @@ from tokenmill.kvblocks import (
     BLOCK_TOKENS,
     ROOT,
     BlockSnapshot,
+    BlockUpdate,
     CacheEvent,
     CachePublisher,
     SlotChains,
@@ -194,9 +195,65 @@ def test_a_publisher_gives_a_snapshot_then_every_change_and_a_snapshot_on_restar
     assert index.chains(0) == list(publisher.snapshot().slots)
     assert len(events) == 2
     publisher.reset()
-    assert events[-1] == BlockSnapshot(((), ()))
+    assert events[-1] == BlockSnapshot(((), ()), n_slots=2)
     gone: list[CacheEvent] = []
     stop = publisher.subscribe(gone.append)
     stop()
     publisher.change(0, 0, list(range(B)))
     assert len(gone) == 1  # its snapshot only
+
+
+def test_parked_sequences_are_published_as_lanes_after_the_slots() -> None:
+    """The host tier's sequences: one lane each after the slots, freed lanes reused
+    lowest first; a gateway's index says which tier holds a prompt's prefix."""
+    publisher = CachePublisher(2)
+    events: list[CacheEvent] = []
+    publisher.subscribe(events.append)
+    a, b, c = (list(range(k * 100, k * 100 + 3 * B)) for k in (1, 2, 3))
+    publisher.change(0, 0, a)
+    publisher.park(7, b)  # lane 2
+    publisher.park(8, c)  # lane 3
+    publisher.unpark(7)  # lane 2 free
+    publisher.park(9, b)  # lane 2 again
+    publisher.unpark(42)  # never parked: nothing
+    snapshot = publisher.snapshot()
+    assert snapshot == BlockSnapshot((tuple(chain(a)), (), tuple(chain(b)), tuple(chain(c))), 2)
+
+    index = PrefixIndex()
+    for event in events:
+        if isinstance(event, BlockSnapshot):
+            index.reset(0, event.slots, event.n_slots)
+        else:
+            index.update(0, event)
+    assert index.chains(0) == list(snapshot.slots)
+    for tokens, tier in ((a, "slot"), (b, "host"), (c, "host")):
+        names = chain([*tokens, *range(900, 900 + B)])  # the next turn
+        held = index.cached_blocks(names)
+        assert held == {0: 3}
+        assert index.continued(names, held) == {0}  # a parked sequence, continued whole
+        assert index.tiers(names, held) == {0: tier}
+    assert index.tiers(chain(list(range(5000, 5000 + B))), {0: 0}) == {}
+
+    # A prefix held both in a slot and parked is in the slot; the rest only parked.
+    publisher.change(1, 0, c[: 2 * B])
+    update = events[-1]
+    assert isinstance(update, BlockUpdate)
+    index.update(0, update)
+    names = chain(c)
+    held = index.cached_blocks(names)
+    assert held == {0: 3} and index.tiers(names, held) == {0: "host"}
+    assert index.tiers(names[:2], {0: 2}) == {0: "slot"}
+
+    publisher.reset()  # the engine restarted: slots and tier empty, lanes too
+    assert events[-1] == BlockSnapshot(((), ()), 2)
+    publisher.park(1, a)
+    assert publisher.snapshot().slots[2] == tuple(chain(a))
+
+
+def test_a_snapshot_without_n_slots_is_all_slots() -> None:
+    """A replica of an older version sends no ``n_slots``: every chain is a slot's."""
+    index = PrefixIndex()
+    tokens = list(range(2 * B))
+    index.reset(0, [[], chain(tokens)])
+    names = chain(tokens)
+    assert index.tiers(names, index.cached_blocks(names)) == {0: "slot"}

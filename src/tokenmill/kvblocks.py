@@ -17,11 +17,18 @@ little-endian integers: stable across processes and machines (never Python's
 change, which names a slot now has: what a replica publishes, through a
 :class:`CachePublisher`. Plain Python, no
 engine in it; it must never be given anything but token ids.
+
+A replica's host-memory tier (sequences parked when their slot was given to another)
+is published on the same stream, each parked sequence as one more chain after the
+slots' (a *lane*: ``n_slots`` on, reused once its sequence leaves the tier), so that
+the gateway routes a conversation back to the replica that parked its history; the
+snapshot's ``n_slots`` says which chains are slots and which are parked.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -87,9 +94,12 @@ class BlockUpdate:
 
 @dataclass(frozen=True, slots=True)
 class BlockSnapshot:
-    """Every slot's block names, by slot index: what a replica holds as a whole."""
+    """Every chain's block names, by index: what a replica holds as a whole. The
+    first ``n_slots`` are its KV slots', the rest its parked sequences' (host memory);
+    ``n_slots`` None: every chain is a slot's."""
 
     slots: tuple[tuple[int, ...], ...]
+    n_slots: int | None = None
 
 
 # What a replica publishes: a snapshot when it (re)connects, then one update a change.
@@ -106,10 +116,14 @@ class SlotChains:
     """
 
     def __init__(self, n_slots: int) -> None:
+        self.n_slots = n_slots
         self._tokens: list[list[int]] = [[] for _ in range(n_slots)]
         self._names: list[list[int]] = [[] for _ in range(n_slots)]
 
     def change(self, slot: int, kept: int, added: Sequence[int]) -> BlockUpdate | None:
+        while len(self._tokens) <= slot:  # a lane (a parked sequence) past the slots
+            self._tokens.append([])
+            self._names.append([])
         tokens, names = self._tokens[slot], self._names[slot]
         if kept > len(tokens):
             raise ValueError(f"slot {slot} holds {len(tokens)} tokens, not {kept}")
@@ -125,8 +139,8 @@ class SlotChains:
         return BlockUpdate(slot, cut, tuple(new))
 
     def snapshot(self) -> BlockSnapshot:
-        """Every slot's block names (what a (re)connecting gateway reads)."""
-        return BlockSnapshot(tuple(tuple(names) for names in self._names))
+        """Every slot's and lane's block names (what a (re)connecting gateway reads)."""
+        return BlockSnapshot(tuple(tuple(names) for names in self._names), self.n_slots)
 
     def tokens(self, slot: int) -> tuple[int, ...]:
         """The tokens slot ``slot`` holds, as the changes said."""
@@ -137,10 +151,12 @@ class CachePublisher:
     """What an engine's slots hold, told to listeners as :data:`CacheEvent` objects.
 
     The engine calls :meth:`change` with every change of a slot's tokens (from its
-    decode thread) and :meth:`reset` when it (re)starts with empty slots; a listener
-    added with :meth:`subscribe` gets a :class:`BlockSnapshot` first, then every
-    :class:`BlockUpdate`, in order (one lock keeps a change from slipping between a
-    snapshot and the updates after it). Listeners must be quick and never raise.
+    decode thread), :meth:`park` and :meth:`unpark` as a sequence enters and leaves its
+    host-memory tier, and :meth:`reset` when it (re)starts with empty slots and an
+    empty tier; a listener added with :meth:`subscribe` gets a :class:`BlockSnapshot`
+    first, then every :class:`BlockUpdate`, in order (one lock keeps a change from
+    slipping between a snapshot and the updates after it). Listeners must be quick and
+    never raise.
     """
 
     def __init__(self, n_slots: int) -> None:
@@ -148,6 +164,9 @@ class CachePublisher:
         self._chains = SlotChains(n_slots)
         self._n_slots = n_slots
         self._listeners: list[Callable[[CacheEvent], None]] = []
+        # Parked sequences' lanes: key -> lane; lanes freed, lowest reused first.
+        self._lanes: dict[int, int] = {}
+        self._free: list[int] = []
 
     def subscribe(self, listener: Callable[[CacheEvent], None]) -> Callable[[], None]:
         """Add ``listener``; returns the function that removes it."""
@@ -164,15 +183,38 @@ class CachePublisher:
 
     def change(self, slot: int, kept: int, added: Sequence[int]) -> None:
         with self._lock:
-            update = self._chains.change(slot, kept, added)
-            if update is not None:
-                for listener in self._listeners:
-                    listener(update)
+            self._change(slot, kept, added)
+
+    def park(self, key: int, tokens: Sequence[int]) -> None:
+        """Sequence ``key`` of the host-memory tier holds ``tokens`` (from position 0)."""
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = heapq.heappop(self._free) if self._free else self._n_slots + len(self._lanes)
+                self._lanes[key] = lane
+            self._change(lane, 0, tokens)
+
+    def unpark(self, key: int) -> None:
+        """Sequence ``key`` left the host-memory tier (restored, evicted, resumed)."""
+        with self._lock:
+            lane = self._lanes.pop(key, None)
+            if lane is not None:
+                self._change(lane, 0, ())
+                heapq.heappush(self._free, lane)
+
+    def _change(self, slot: int, kept: int, added: Sequence[int]) -> None:
+        update = self._chains.change(slot, kept, added)
+        if update is not None:
+            for listener in self._listeners:
+                listener(update)
 
     def reset(self) -> None:
-        """Every slot is empty again (the engine (re)started): listeners get a snapshot."""
+        """Every slot and the tier are empty again (the engine (re)started): listeners
+        get a snapshot."""
         with self._lock:
             self._chains = SlotChains(self._n_slots)
+            self._lanes.clear()
+            self._free.clear()
             snapshot = self._chains.snapshot()
             for listener in self._listeners:
                 listener(snapshot)

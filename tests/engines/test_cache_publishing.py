@@ -5,8 +5,9 @@ The gateway routes by an index built from the engine's published block names
 Here the index is fed every event of a real engine and, once the engine is idle,
 compared with the block names of every slot's real tokens, after stores (a prompt and
 its answer), extensions (the next-turn warm-up, a chat's next turn), parks (a slot's
-cache copied away before a new prompt takes the slot) and evictions (a slot taken
-by an unrelated prompt).
+cache copied away before a new prompt takes the slot, or into the host-memory tier,
+published as lanes after the slots) and evictions (a slot taken by an unrelated
+prompt).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Published:
         held: dict[int, int] = {}
         for event in list(self.events):
             if isinstance(event, BlockSnapshot):
-                index.reset(0, event.slots)
+                index.reset(0, event.slots, event.n_slots)
                 held = {i: len(names) for i, names in enumerate(event.slots)}
             else:
                 assert isinstance(event, BlockUpdate)
@@ -61,14 +62,28 @@ class Published:
 
 
 def real(engine: LlamaCppEngine) -> list[tuple[int, ...]]:
-    return [tuple(chain(engine.slot_cache.tokens(i))) for i in range(SLOTS)]
+    return [tuple(chain(engine.slot_cache.tokens(i))) for i in range(engine.max_num_seqs)]
+
+
+def parked(engine: LlamaCppEngine) -> set[tuple[int, ...]]:
+    """The chains of the sequences the engine's host tier holds as a cache."""
+    entries = list(engine._require().tier.entries.values())
+    return {tuple(chain(e.tokens)) for e in entries if not e.pinned}
+
+
+def matches(engine: LlamaCppEngine, index: PrefixIndex) -> bool:
+    """The index holds what the engine holds: every slot's chain, in order, then one
+    lane a parked sequence (in any order; freed lanes are empty)."""
+    chains, slots = index.chains(0), engine.max_num_seqs
+    lanes = [c for c in chains[slots:] if c]
+    return chains[:slots] == real(engine) and sorted(lanes) == sorted(parked(engine))
 
 
 async def settled(engine: LlamaCppEngine, published: Published, what: str) -> None:
     """Until the index built from the events matches every slot's real contents."""
     await wait_until_async(
-        lambda: engine.health().running == 0 and published.index().chains(0) == real(engine),
-        f"the published cache to match the slots after {what}",
+        lambda: engine.health().running == 0 and matches(engine, published.index()),
+        f"the published cache to match the slots and the tier after {what}",
     )
 
 
@@ -88,7 +103,7 @@ async def test_the_published_cache_follows_every_slot(engine: LlamaCppEngine) ->
     published = Published()
     engine.publish_cache(published.events.append)  # before start: a snapshot at start
     await engine.start()
-    assert published.events[-1] == BlockSnapshot(((),) * SLOTS)
+    assert published.events[-1] == BlockSnapshot(((),) * SLOTS, n_slots=SLOTS)
 
     first = [SYSTEM, ChatMessage("user", "My chain keeps slipping on the largest cog.")]
     answer = await chat(engine, "store", first)
@@ -116,5 +131,6 @@ async def test_the_published_cache_follows_every_slot(engine: LlamaCppEngine) ->
     ).tokens
     assert tokens is not None
     names = chain(tokens[0])
-    best = max(sum(1 for a, b in zip(names, slot, strict=False) if a == b) for slot in real(engine))
+    held = [*real(engine), *parked(engine)]
+    best = max(sum(1 for a, b in zip(names, c, strict=False) if a == b) for c in held)
     assert published.index().cached_blocks(names) == {0: best}

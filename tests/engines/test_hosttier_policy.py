@@ -115,3 +115,39 @@ def test_replay_keeps_bytes_bounded_and_entries_distinct() -> None:
                 # No entry is (all but a few tokens of) a prefix of another.
                 if i != j:
                     assert common_prefix(a, b) < len(a) - KV_COPY_MIN_TOKENS + 1
+
+
+def test_the_listener_hears_exactly_what_the_tier_holds_as_a_cache() -> None:
+    """Parks, restores, evictions, subsumed entries and a clear, replayed at random:
+    what the listener was told is always the tier's cached entries (swapped-out
+    sequences are live requests, never published)."""
+    rng = random.Random(11)
+    heard: dict[int, tuple[int, ...]] = {}
+
+    def listener(key: int, tokens: tuple[int, ...] | None) -> None:
+        if tokens is None:
+            del heard[key]  # only what was heard of leaves
+        else:
+            assert key not in heard
+            heard[key] = tokens
+
+    t: HostTier[str] = HostTier(200, listener=listener)
+    pinned: list[int] = []
+    for step in range(500):
+        base = rng.randrange(5)
+        tokens = [base] * 8 + [rng.randrange(3) for _ in range(rng.randrange(0, 30))]
+        if rng.random() < 0.05:
+            key = t.park(tokens, "swap", len(tokens), now=float(step), pinned=True)
+            assert key is not None
+            pinned.append(key)
+        elif pinned and rng.random() < 0.05:
+            t.unpin(pinned.pop())
+        elif t.worth_parking(tokens, []):
+            t.park(tokens, "x", len(tokens), now=float(step))
+        match = t.match([base] * 8 + [rng.randrange(3) for _ in range(20)])
+        if match is not None:
+            t.restored(match.key, reused=match.common, now=float(step), whole=rng.random() < 0.3)
+        cached = {k: e.tokens for k, e in t.entries.items() if not e.pinned}
+        assert heard == cached
+    t.clear()
+    assert heard == {} and t.used == 0 and t.entries == {}

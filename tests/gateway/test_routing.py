@@ -12,6 +12,7 @@ from tokenmill.gateway.routing.cache_aware import (
     HORIZON,
     IMBALANCE,
     PREFILL_S,
+    RESTORE_S,
     CacheAware,
 )
 from tokenmill.gateway.routing.least_loaded import LeastLoaded
@@ -221,3 +222,23 @@ def test_speed_is_a_moving_average_of_what_streams_showed() -> None:
     speed.observe(prefill_s=0.05, uncached_tokens=MIN_PREFILL_TOKENS - 1, decode_s=0.0, generated=1)
     assert (speed.prefill_s, speed.decode_s) == pytest.approx((1.2e-3, 0.1))
     assert speed.generated == pytest.approx(10 + 0.2 * (1 - 10))
+
+
+def test_a_history_parked_in_host_memory_is_nearly_as_good_as_a_slot() -> None:
+    """A replica that parked the conversation (its host tier) wins over one that holds
+    nothing of it; restoring costs RESTORE_S a token, so the same prefix in a slot
+    wins at equal load, and the decision says which tier served it."""
+    parked = view(0, cached_tokens=288, continues=True, cached_tier="host", last_used=9.0)
+    d = CacheAware().choose([parked, view(1)], PROMPT)
+    assert (d.index, d.reason, d.tier, d.continues) == (0, "cache", "host", True)
+    assert d.score_s == pytest.approx((300 - 288) * PREFILL_S + 288 * RESTORE_S)
+    in_slot = view(1, cached_tokens=288, continues=True, cached_tier="slot", last_used=9.0)
+    d = CacheAware().choose([parked, in_slot], PROMPT)
+    assert (d.index, d.tier) == (1, "slot")
+    # A busy replica with the parked history still beats recomputing it elsewhere.
+    busy = view(0, in_flight=3, cached_tokens=288, continues=True, cached_tier="host")
+    d = CacheAware().choose([busy, view(1)], PROMPT)
+    assert (d.index, d.tier) == (0, "host")
+    # The other policies report the tier too (the route log field).
+    assert LeastLoaded().choose([parked, view(1)], PROMPT).tier is None
+    assert LeastLoaded().choose([parked], PROMPT).tier == "host"

@@ -23,6 +23,8 @@ def test_cache_events_survive_the_wire() -> None:
     names = tuple(chain(list(range(64))))  # 64-bit names, some above 2**63
     snapshot = BlockSnapshot((names, (), names[:2]))
     assert through_json(snapshot) == snapshot
+    with_parked = BlockSnapshot((names, (), names[:2]), n_slots=2)  # the last: parked
+    assert through_json(with_parked) == with_parked
     update = BlockUpdate(2, 1, names[1:])
     assert through_json(update) == update
 

@@ -30,7 +30,7 @@ from typing import Any
 from tokenmill.config import DeploymentConfig
 from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
-from tokenmill.gateway.prefix import PrefixIndex
+from tokenmill.gateway.prefix import PrefixIndex, Tier
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
 from tokenmill.gateway.routing.speed import Speed
 from tokenmill.kvblocks import BLOCK_TOKENS, BlockSnapshot, CacheEvent, chain
@@ -206,11 +206,13 @@ class Deployment:
         ready = [r for r in ready if r not in avoid] or ready
         cached: dict[int, int] = {}
         continued: set[int] = set()
+        tiers: dict[int, Tier] = {}
         if prompt:
             names = chain(prompt)
             blocks = self.prefixes.cached_blocks(names)
             cached = {i: n * BLOCK_TOKENS for i, n in blocks.items()}
             continued = self.prefixes.continued(names, blocks)
+            tiers = self.prefixes.tiers(names, blocks)
         views = [
             ReplicaView(
                 index=r.index,
@@ -219,6 +221,7 @@ class Deployment:
                 in_flight=r.in_flight,
                 cached_tokens=cached.get(r.index, 0),
                 continues=r.index in continued,
+                cached_tier=tiers.get(r.index),
                 prefill_s=r.speed.prefill_s,
                 decode_s=r.speed.decode_s,
                 generated=r.speed.generated,
@@ -322,7 +325,7 @@ class Deployment:
     def _cached(self, index: int) -> Callable[[CacheEvent], None]:
         def cached(event: CacheEvent) -> None:
             if isinstance(event, BlockSnapshot):
-                self.prefixes.reset(index, event.slots)
+                self.prefixes.reset(index, event.slots, event.n_slots)
             else:
                 self.prefixes.update(index, event)
 

@@ -8,6 +8,10 @@ that for a prompt's chain it answers how many leading blocks each replica has ca
 A replica that dies or restarts is dropped until its next snapshot. An upstream
 replica publishes nothing and never appears here.
 
+A replica's chains past its slots are the sequences its host-memory tier parked
+(:mod:`tokenmill.kvblocks`): a prompt they hold is cached there too, one restore
+away instead of in a slot; :meth:`PrefixIndex.tiers` says which.
+
 The index only ever under-reports: it is bounded (:data:`MAX_BLOCKS_PER_REPLICA`),
 and blocks past the bound, or whose parent it does not have, are not indexed; a
 replica is never credited with a block it did not publish. It is owned by the event
@@ -17,10 +21,15 @@ loop: no locks, every method returns at once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Literal
 
 from tokenmill.kvblocks import BLOCK_TOKENS, BlockUpdate
 
-__all__ = ["MAX_BLOCKS_PER_REPLICA", "PrefixIndex"]
+__all__ = ["MAX_BLOCKS_PER_REPLICA", "PrefixIndex", "Tier"]
+
+# Where a replica holds a prompt's cached prefix: in a KV slot, or parked in its host
+# memory (restored into a slot before the rest of the prompt is computed).
+Tier = Literal["slot", "host"]
 
 # Block names indexed per replica: 65,536 blocks are 1M tokens of KV cache (16 slots
 # of 64k tokens; tokenmill's default is 16 of 2k), at about 200 bytes an entry 13 MB
@@ -37,11 +46,17 @@ class PrefixIndex:
         self._sizes: dict[int, int] = {}  # replica -> names indexed, all slots
         # block name -> replica -> how many of its slots hold the block
         self._holders: dict[int, dict[int, int]] = {}
+        # replica -> how many of its chains are slots (the rest: parked sequences)
+        self._slots: dict[int, int] = {}
 
-    def reset(self, replica: int, slots: Sequence[Sequence[int]]) -> None:
-        """Replace what ``replica`` holds with a snapshot (one chain a slot)."""
+    def reset(
+        self, replica: int, slots: Sequence[Sequence[int]], n_slots: int | None = None
+    ) -> None:
+        """Replace what ``replica`` holds with a snapshot (one chain a slot, then one a
+        parked sequence: the first ``n_slots`` are slots; None: all are)."""
         self.drop(replica)
         self._chains[replica] = [[] for _ in slots]
+        self._slots[replica] = len(slots) if n_slots is None else n_slots
         self._sizes[replica] = 0
         for slot, names in enumerate(slots):
             self._extend(replica, slot, names)
@@ -67,6 +82,7 @@ class PrefixIndex:
             for name in chain:
                 self._forget(replica, name)
         self._sizes.pop(replica, None)
+        self._slots.pop(replica, None)
 
     def cached_blocks(self, names: Sequence[int]) -> dict[int, int]:
         """For a prompt's chain, each indexed replica's number of leading blocks held."""
@@ -98,12 +114,26 @@ class PrefixIndex:
                 out.add(replica)
         return out
 
+    def tiers(self, names: Sequence[int], held: Mapping[int, int]) -> dict[int, Tier]:
+        """For the replicas of ``held`` (:meth:`cached_blocks` of ``names``) that hold
+        any of it, where: ``slot`` when a slot holds all those blocks, else ``host``
+        (only a parked sequence does)."""
+        out: dict[int, Tier] = {}
+        for replica, n in held.items():
+            if not n:
+                continue
+            slots = self._chains.get(replica, [])[: self._slots.get(replica, 0)]
+            in_slot = any(len(c) >= n and c[n - 1] == names[n - 1] for c in slots)
+            out[replica] = "slot" if in_slot else "host"
+        return out
+
     def cached_tokens(self, names: Sequence[int]) -> dict[int, int]:
         """:meth:`cached_blocks` in tokens."""
         return {r: n * BLOCK_TOKENS for r, n in self.cached_blocks(names).items()}
 
     def chains(self, replica: int) -> list[tuple[int, ...]]:
-        """What is indexed for ``replica``, one chain a slot (empty if unknown)."""
+        """What is indexed for ``replica``, one chain a slot then one a parked
+        sequence's lane (empty if unknown)."""
         return [tuple(c) for c in self._chains.get(replica, [])]
 
     def blocks(self, replica: int) -> int:

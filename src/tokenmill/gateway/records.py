@@ -106,4 +106,5 @@ def _route_fields(route: Decision | None) -> dict[str, Any] | None:
         "cached_tokens": route.cached_tokens,
         "score_ms": None if route.score_s is None else round(route.score_s * 1000, 3),
         "continues": route.continues,
+        "tier": route.tier,
     }

@@ -182,14 +182,18 @@ def decode_request(d: dict[str, Any]) -> GenerationRequest:
 
 def encode_cache_event(event: CacheEvent) -> dict[str, Any]:
     if isinstance(event, BlockSnapshot):
-        return {"op": "kv_all", "c": [list(names) for names in event.slots]}
+        return {"op": "kv_all", "c": [list(names) for names in event.slots], "n": event.n_slots}
     return {"op": "kv", "s": event.slot, "k": event.kept, "a": list(event.added)}
 
 
 def decode_cache_event(msg: dict[str, Any]) -> CacheEvent:
     """A ``kv_all`` or ``kv`` frame."""
     if msg["op"] == "kv_all":
-        return BlockSnapshot(tuple(tuple(int(n) for n in names) for names in msg["c"]))
+        n_slots = msg.get("n")
+        return BlockSnapshot(
+            tuple(tuple(int(n) for n in names) for names in msg["c"]),
+            None if n_slots is None else int(n_slots),
+        )
     return BlockUpdate(int(msg["s"]), int(msg["k"]), tuple(int(n) for n in msg["a"]))
 
 

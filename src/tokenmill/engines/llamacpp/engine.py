@@ -79,6 +79,20 @@ def host_tier_bytes(configured: int | None, context: LlamaContext) -> int:
     return configured
 
 
+def _publish_parked(
+    published: CachePublisher,
+) -> Callable[[int, tuple[int, ...] | None], None]:
+    """The host tier's listener: what it parks, and what leaves it, published."""
+
+    def parked(key: int, tokens: tuple[int, ...] | None) -> None:
+        if tokens is None:
+            published.unpark(key)
+        else:
+            published.park(key, tokens)
+
+    return parked
+
+
 class _Loaded:
     """What one ``start()`` makes and ``close()`` frees: the model and its loop."""
 
@@ -99,10 +113,10 @@ class _Loaded:
         except EngineError:
             context.close()
             raise
-        self.tier: HostTier[bytearray] = HostTier(capacity)
-        self.cache: SlotCache[Choice] = SlotCache(n_slots, context.n_ctx_seq)
         published = engine.published_cache
-        published.reset()  # every slot starts empty
+        published.reset()  # every slot starts empty, and the tier
+        self.tier: HostTier[bytearray] = HostTier(capacity, listener=_publish_parked(published))
+        self.cache: SlotCache[Choice] = SlotCache(n_slots, context.n_ctx_seq)
         self.cache.subscribe(lambda c: published.change(c.slot, c.kept, c.added))
         cv = threading.Condition()
         self.embedder = Embedder(

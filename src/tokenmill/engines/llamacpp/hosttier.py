@@ -24,6 +24,11 @@ a model. Its rules:
 * **Placement**: :meth:`HostTier.match` names the entry sharing the longest prefix
   with a prompt; the engine restores it when that is at least ``KV_COPY_MIN_TOKENS``
   more than any slot offers.
+* **Published**: ``listener`` hears of every cached entry as it is parked
+  (``listener(key, tokens)``) and as it leaves (``listener(key, None)``), restored
+  whole, evicted, subsumed or cleared, so that routing knows what the tier holds
+  (:meth:`tokenmill.kvblocks.CachePublisher.park`). Swapped sequences are not
+  published: they are live requests, not a cache.
 * **Swapped sequences** (``pinned``): a running sequence preempted from a full KV
   pool is parked here too, and never evicted: it is a request's live state, not a
   cache. It makes room by evicting cached entries, and is held even beyond
@@ -33,7 +38,7 @@ a model. Its rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -89,6 +94,8 @@ class HostTier(Generic[B]):
     entries: dict[int, Parked[B]] = field(default_factory=dict)  # least recently used first
     used: int = 0  # bytes of every entry, pinned ones too
     stats: TierStats = field(default_factory=TierStats)
+    # Hears of cached entries parked (key, tokens) and gone (key, None); see above.
+    listener: Callable[[int, tuple[int, ...] | None], None] | None = None
     _next_key: int = 0
 
     @property
@@ -181,6 +188,8 @@ class HostTier(Generic[B]):
             self.stats.swaps += 1
         else:
             self.stats.parks += 1
+            if self.listener is not None:
+                self.listener(key, tokens)
         return key
 
     def unpin(self, key: int, *, resumed: bool = True) -> Parked[B]:
@@ -190,8 +199,8 @@ class HostTier(Generic[B]):
         return entry
 
     def clear(self) -> None:
-        self.entries.clear()
-        self.used = 0
+        for key in list(self.entries):
+            self._remove(key)
 
     # -- internals -----------------------------------------------------------------
 
@@ -203,4 +212,6 @@ class HostTier(Generic[B]):
     def _remove(self, key: int) -> Parked[B]:
         entry = self.entries.pop(key)
         self.used -= entry.nbytes
+        if not entry.pinned and self.listener is not None:
+            self.listener(key, None)
         return entry

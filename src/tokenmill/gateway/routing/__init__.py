@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from tokenmill.gateway.prefix import Tier
+
 RoutingName = Literal["cache_aware", "least_loaded", "round_robin"]
 # Why a replica was chosen: the ``reason`` of the ``route`` log field and metric label.
 Reason = Literal["cache", "load", "imbalance", "affinity", "least_loaded", "round_robin"]
@@ -47,6 +49,9 @@ class ReplicaView:
     # continues that slot's sequence (a conversation's next turn), rather than sharing
     # only its first part with it (a system prompt other conversations share too).
     continues: bool = False
+    # Where those tokens are: in a slot, or parked in the replica's host memory (a
+    # restore first); None when nothing is cached.
+    cached_tier: Tier | None = None
     # Measured seconds per prompt token computed, per generated token of one stream,
     # and tokens a stream generates (moving averages, see .speed); None until measured.
     prefill_s: float | None = None
@@ -80,6 +85,8 @@ class Decision:
     # Whether the prompt continues a sequence the chosen replica holds whole (see
     # ReplicaView.continues); None for a policy that does not look.
     continues: bool | None = None
+    # Where the chosen replica holds the cached tokens (ReplicaView.cached_tier).
+    tier: Tier | None = None
 
 
 class RoutingPolicy(Protocol):
@@ -123,6 +130,7 @@ __all__ = [
     "RouteQuery",
     "RoutingName",
     "RoutingPolicy",
+    "Tier",
     "candidates",
     "policy",
 ]

@@ -21,4 +21,4 @@ class LeastLoaded:
         if not serving:
             raise ValueError("no serving replica to route to")
         best = min(serving, key=lambda r: (r.free < query.weight, r.in_flight, r.last_used))
-        return Decision(best.index, "least_loaded", best.cached_tokens)
+        return Decision(best.index, "least_loaded", best.cached_tokens, tier=best.cached_tier)

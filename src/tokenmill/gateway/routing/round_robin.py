@@ -26,4 +26,4 @@ class RoundRobin:
         after = [r for r in pool if r.index > self._last]
         best = min(after or pool, key=lambda r: r.index)
         self._last = best.index
-        return Decision(best.index, "round_robin", best.cached_tokens)
+        return Decision(best.index, "round_robin", best.cached_tokens, tier=best.cached_tier)

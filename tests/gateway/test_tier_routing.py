@@ -1,0 +1,93 @@
+"""Routing that sees the replicas' host-memory tiers: 2 real process replicas of one
+slot each, more conversations than slots.
+
+Each replica parks what its only slot held when the slot goes to another
+conversation, and publishes the parked sequence as one more chain of its cache
+(:mod:`tokenmill.kvblocks`). A conversation's next turn then goes back to the replica
+that parked its history, and finds it cached (restored from host memory), where
+routing by slots alone would see nothing cached anywhere and send it to the least
+recently used replica. Asserted on the route log field and the cached tokens the API
+reports, never on times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess, launch
+from tests.waiting import HANG_S, wait_until
+
+# Unrelated prompts, sent as plain completions (a chat template would give every
+# conversation the same default system prompt): only a conversation's own history
+# can be cached for it.
+OPENINGS = {
+    "a": "Notes for a museum guide. The lighthouses of the northern coast and their keepers",
+    "b": "Notes for a museum guide. The glaciers of the Alps and how fast they are retreating",
+    "c": "Notes for a museum guide. Beekeeping on city rooftops and what the bees eat there",
+    "d": "Notes for a museum guide. The violin makers of Cremona and the wood they choose",
+}
+OPENINGS = {k: f"{v}, in three paragraphs. " * 3 for k, v in OPENINGS.items()}
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = launch(
+        tmp_path_factory.mktemp("tier-routing"),
+        config="""
+[[deployments]]
+id = "notes"
+replicas = 2
+placement = "process"
+n_threads = 1
+max_num_seqs = 1
+n_ctx = 1024
+kv_host_bytes = 67108864
+""",
+    )
+    yield srv
+    srv.stop()
+
+
+def complete(gw: ServerProcess, prompt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One completion: the response and its log line."""
+    body = {"model": "notes", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=HANG_S)
+    assert r.status_code == 200, r.text
+    line = wait_until(partial(gw.request_line, r.headers["x-request-id"]), "the log line")
+    return r.json(), line
+
+
+def test_each_next_turn_goes_back_to_the_replica_that_holds_its_history(
+    gw: ServerProcess,
+) -> None:
+    first = {k: complete(gw, OPENINGS[k]) for k in "abcd"}
+    home = {k: line["route"]["replica"] for k, (_, line) in first.items()}
+    # What each replica's only slot holds: the last conversation it served. Four
+    # conversations on two slots: at least two were parked in host memory.
+    in_slot = {home[k]: k for k in "abcd"}
+    tiers = []
+    for k in "abcd":
+        before = first[k][0]
+        prompt = OPENINGS[k] + before["choices"][0]["text"] + " The next paragraph says"
+        body, line = complete(gw, prompt)
+        route = line["route"]
+        tier = "slot" if in_slot[home[k]] == k else "host"
+        # Home, wherever its history is, and the index said where.
+        assert route["replica"] == home[k], (k, route, home)
+        assert (route["reason"], route["continues"], route["tier"]) == ("cache", True, tier)
+        prompt_before = before["usage"]["prompt_tokens"]
+        assert route["cached_tokens"] >= prompt_before // 16 * 16, route
+        # Found, not recomputed: the replica reports the whole first turn cached.
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= prompt_before, (k, cached, body["usage"], route)
+        in_slot[home[k]] = k
+        tiers.append(tier)
+    assert tiers.count("host") >= 2, tiers
+
+    replicas = httpx.get(f"{gw.url}/v1/deployments/notes", timeout=HANG_S).json()["replicas"]
+    assert sum(r["kv"]["host_hits"] for r in replicas) >= 2, replicas
