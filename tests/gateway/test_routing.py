@@ -136,12 +136,32 @@ def test_badly_imbalanced_load_wins_over_the_cache() -> None:
     assert CacheAware().choose(replicas, PROMPT).index == 0
 
 
-def test_a_full_replica_is_never_chosen_while_another_has_room() -> None:
+def test_a_full_replica_is_never_chosen_for_a_new_sequence_while_another_has_room() -> None:
     replicas = [view(0, slots=2, in_flight=2, cached_tokens=288), view(1, slots=2, in_flight=1)]
     assert CacheAware().choose(replicas, PROMPT).index == 1
     # A request of 2 choices needs 2 free slots.
     replicas = [view(0, slots=4, in_flight=3, cached_tokens=288), view(1, slots=4, in_flight=2)]
     assert CacheAware().choose(replicas, RouteQuery(300, weight=2)).index == 1
+
+
+def test_a_continuation_waits_for_its_full_home_when_that_beats_recomputing() -> None:
+    """Its history's replica is full: the request waits there for a slot (a fraction
+    of an answer) rather than computing its whole history where there is room."""
+    home = view(0, slots=2, in_flight=2, cached_tokens=288, continues=True, cached_tier="host")
+    other = view(1, slots=2, in_flight=1)
+    query = RouteQuery(300, max_tokens=32)
+    d = CacheAware().choose([home, other], query)
+    wait = 1 * 32 * DECODE_S / 3  # one slot to free, among 2 answers under way
+    assert (d.index, d.reason, d.tier) == (0, "cache", "host")
+    assert d.score_s == pytest.approx((12 + 2) * PREFILL_S + 288 * RESTORE_S + DECODE_S / 2 + wait)
+    # A longer answer to come (64 tokens, the default horizon): the wait is the longer,
+    # recomputing wins.
+    assert CacheAware().choose([home, other], RouteQuery(300, max_tokens=4000)).index == 1
+    # Badly imbalanced (the other idle), load still wins.
+    d = CacheAware().choose([home, view(1, slots=2)], query)
+    assert (d.index, d.reason) == (1, "imbalance")
+    # The other policies never queue on a full replica while one has room.
+    assert LeastLoaded().choose([home, other], query).index == 1
 
 
 def test_a_slower_replica_gets_less() -> None:

@@ -17,8 +17,9 @@ Policies, one module each, chosen per deployment by ``routing`` (see :func:`poli
 * ``round_robin`` (:mod:`.round_robin`): each replica in turn.
 
 Every policy prefers a serving replica with ``weight`` free slots when one has them
-(a request's choices run on one replica), and only chooses among serving ones; the
-caller guarantees at least one is serving.
+(a request's choices run on one replica; ``cache_aware`` also weighs waiting for a
+full replica that holds the request's history), and only chooses among serving ones;
+the caller guarantees at least one is serving.
 """
 
 from __future__ import annotations

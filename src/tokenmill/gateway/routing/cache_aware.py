@@ -38,6 +38,16 @@ A replica not yet measured is assumed as fast as the measured ones' average
 (:data:`PREFILL_S`, :data:`DECODE_S`, :data:`HORIZON` before any is). Ties go to the
 fewest in flight, then the least recently used.
 
+A full replica (no ``weight`` free slots) is a candidate only for a request that
+continues a sequence it holds whole: its history's home. Sent there, the request
+waits for a slot, which the score counts as ``wait_s``: the slots that must free
+(``in_flight + weight - slots``), each after the answer's time split among the
+replica's streams, ``horizon * decode_s / (slots + 1)`` (of ``slots`` answers under
+way, the first ends after about 1 / (slots + 1) of one). So a conversation waits a
+fraction of a step for its home rather than recomputing its whole history on a
+replica with room, unless the wait is the longer (a long answer to come, a deep
+queue), or load is badly imbalanced (below).
+
 Two exceptions, in this order:
 
 * **Load wins when badly imbalanced** (SGLang's rule, in slots): when the chosen
@@ -95,6 +105,8 @@ class CacheAware:
 
     def choose(self, replicas: Sequence[ReplicaView], query: RouteQuery) -> Decision:
         pool = candidates(replicas, query.weight)
+        # A continuation may wait for its history's home, full or not (see above).
+        pool += [r for r in replicas if r.serving and r.continues and r not in pool]
         prefill = _average([r.prefill_s for r in replicas], PREFILL_S)
         decode = _average([r.decode_s for r in replicas], DECODE_S)
         horizon = _average([r.generated for r in replicas], HORIZON)
@@ -107,7 +119,9 @@ class CacheAware:
             uncached = max(query.prompt_tokens - r.cached_tokens, 0)
             restore = r.cached_tokens * RESTORE_S if r.cached_tier == "host" else 0.0
             ttft = (uncached + r.in_flight) * p + restore + (d / 2 if r.in_flight else 0.0)
-            return ttft + (r.in_flight * d * horizon / 2 if new_sequence else 0.0)
+            queued = r.in_flight + query.weight - r.slots  # slots that must free first
+            wait = queued * horizon * d / (r.slots + 1) if queued > 0 else 0.0
+            return ttft + wait + (r.in_flight * d * horizon / 2 if new_sequence else 0.0)
 
         scores = {r.index: score_s(r) for r in pool}
         best = min(pool, key=lambda r: (scores[r.index], r.in_flight, r.last_used))
