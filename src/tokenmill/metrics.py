@@ -186,8 +186,9 @@ class GatewayMetrics:
         )
         self.routed = Counter(
             "tokenmill_routing_decisions",
-            "Requests routed, by the replica chosen and why (docs/routing.md).",
-            ["deployment", "replica", "reason"],
+            "Requests routed, by the replica chosen, why, and the tier where it held the "
+            "prompt's cached prefix (slot, host, or none) (docs/routing.md).",
+            ["deployment", "replica", "reason", "tier"],
             registry=r,
         )
         self.cache_hits = Counter(
@@ -228,7 +229,8 @@ class GatewayMetrics:
             )
             route = record.route
             if route is not None:
-                self.routed.labels(record.deployment, str(route.index), route.reason).inc()
+                tier = route.tier or "none"
+                self.routed.labels(record.deployment, str(route.index), route.reason, tier).inc()
         except Exception:  # an observer must never break a request
             log.exception("metrics: on_start failed")
 

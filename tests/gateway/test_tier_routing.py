@@ -91,3 +91,11 @@ def test_each_next_turn_goes_back_to_the_replica_that_holds_its_history(
 
     replicas = httpx.get(f"{gw.url}/v1/deployments/notes", timeout=HANG_S).json()["replicas"]
     assert sum(r["kv"]["host_hits"] for r in replicas) >= 2, replicas
+    # Counted by tier: every host-tier decision of the log is in the metrics.
+    metrics = httpx.get(f"{gw.url}/metrics", timeout=HANG_S).text
+    from_host = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("tokenmill_routing_decisions_total{") and 'tier="host"' in line
+    ]
+    assert sum(from_host) == tiers.count("host"), metrics
