@@ -165,14 +165,16 @@ async def test_a_full_pool_swaps_streams_out_and_every_bill_stays_exact() -> Non
 
 async def test_a_long_prompt_is_answered_beside_short_streams_in_one_pool() -> None:
     # n_ctx 0: the model's 8,192 tokens; 16 slots share the default pool of 32,768.
-    long_prompt = "The river carries stones down from the mountains. " * 500
+    # ~2,600 tokens: past the 2,048 a per-slot stream holds by default (the issue's
+    # 4,500-token prompt is the kvtier benchmark's; its prefill alone took 70 s here).
+    long_prompt = "The river carries stones down from the mountains. " * 260
     async with engine(n_ctx=0) as eng:
         stats = eng.kv_stats()
         assert stats["n_ctx"] == 8192 and stats["pool_unified"] == 1
         short = [complete(eng, f"short-{i}", opening(t), 8) for i, t in enumerate(TOPICS * 4)]
         results = await asyncio.gather(complete(eng, "long", long_prompt, 4), *short)
     (_, long_usage), *shorts = results
-    assert long_usage.prompt_tokens > 4500 and long_usage.completion_tokens == 4
+    assert long_usage.prompt_tokens > 2048 and long_usage.completion_tokens == 4
     assert all(u.completion_tokens == 8 for _, u in shorts)
 
 
