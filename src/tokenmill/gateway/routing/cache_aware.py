@@ -44,7 +44,7 @@ waits for a slot, which the score counts as ``wait_s``: the slots that must free
 (``in_flight + weight - slots``), each after the answer's time split among the
 replica's streams, ``horizon * decode_s / (slots + 1)`` (of ``slots`` answers under
 way, the first ends after about 1 / (slots + 1) of one). So a conversation waits a
-fraction of a step for its home rather than recomputing its whole history on a
+fraction of an answer for its home rather than recomputing its whole history on a
 replica with room, unless the wait is the longer (a long answer to come, a deep
 queue), or load is badly imbalanced (below).
 
