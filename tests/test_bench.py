@@ -308,3 +308,61 @@ print(json.dumps({
     no_tier = tables["no_tier"]
     assert "tier (kv of each replica): n/a" in no_tier
     assert marks(no_tier)[4].startswith("MISS") and "n/a" in marks(no_tier)[4]
+
+
+# -- make bench's kvcluster scenario (issue 35): registration and targets, without servers.
+
+
+def test_kvcluster_runs_in_a_plain_make_bench_and_marks_the_issue_targets() -> None:
+    got = bench_python(
+        """
+        import json
+        from run import chosen, parser
+        from scenarios.kvcluster.report import report
+
+        def names(*argv):
+            scenarios, out = chosen(parser().parse_args(list(argv)))
+            return [s.name for s in scenarios], out
+
+        def turns(whole, ms, **more):
+            return {"second_turns": 12, "whole_cached": whole, "whole_cached_share": whole / 12,
+                    "second_ttft_p50_ms": ms, **more}
+
+        settings = {"slots": 4, "n_ctx": 2048, "llama_ctx": 8192, "conversations": 12,
+                    "moves": 8}
+
+        def section(disk_whole, moved_ms):
+            return {
+                "settings": settings,
+                "restart": {
+                    "tokenmill-disk": turns(disk_whole, 300.0, kill={"back_s": 2.0}),
+                    "tokenmill": turns(0, 1500.0, kill={"back_s": 2.0}),
+                    "llama-server": turns(0, 1400.0, kill={"back_s": 1.0}),
+                },
+                "moves": {
+                    "moves-on": turns(8, moved_ms, kv_moves={"moved": 8}),
+                    "moves-off": turns(0, 1000.0, kv_moves={"moved": 0}),
+                },
+            }
+
+        print(json.dumps({
+            "plain": names(),
+            "only": names("--only-kvcluster"),
+            "met": report(section(12, 200.0)),
+            "not_met": report(section(10, 600.0)),
+        }))
+        """
+    )
+    assert "kvcluster" in got["plain"][0]
+    assert got["only"] == [["kvcluster"], "kvcluster.json"]
+
+    def marks(text: str) -> list[str]:
+        return [
+            line.strip()[:4] for line in text.splitlines() if line.strip()[:4] in ("PASS", "MISS")
+        ]
+
+    # 12 of 12 restored (>= 90 %); moved 200 ms against computed 1000 (<= 0.5x).
+    assert marks(got["met"]) == ["PASS", "PASS"], got["met"]
+    assert "0.21x llama-server's" in got["met"]
+    # 10 of 12 (83 %); 600 against 1000 ms.
+    assert marks(got["not_met"]) == ["MISS", "MISS"], got["not_met"]

@@ -250,6 +250,39 @@ def test_parked_sequences_are_published_as_lanes_after_the_slots() -> None:
     assert publisher.snapshot().slots[2] == tuple(chain(a))
 
 
+def test_disk_tier_files_are_lanes_the_index_calls_disk() -> None:
+    """A disk tier file is published as a lane like a parked sequence, marked as on
+    disk: the index says ``disk`` only where no slot or host lane holds the prefix,
+    and a freed lane reused by host memory is ``host`` again."""
+    publisher = CachePublisher(1)
+    events: list[CacheEvent] = []
+    a, b = (list(range(k * 100, k * 100 + 3 * B)) for k in (1, 2))
+    publisher.park(("disk", "f1"), a, disk=True)  # lane 1: announced at start
+    publisher.subscribe(events.append)  # a gateway connects: the snapshot says so
+    publisher.park(("disk", "f2"), b, disk=True)  # lane 2
+    publisher.park(("host", 1), b)  # lane 3: the same sequence, also in memory
+    assert events[0] == BlockSnapshot(((), tuple(chain(a))), 1, disk=(1,))
+    assert publisher.snapshot().disk == (1, 2)
+
+    index = PrefixIndex()
+    for event in events:
+        if isinstance(event, BlockSnapshot):
+            index.reset(0, event.slots, event.n_slots, event.disk)
+        else:
+            index.update(0, event)
+    for tokens, tier in ((a, "disk"), (b, "host")):
+        names = chain(tokens)
+        assert index.tiers(names, index.cached_blocks(names)) == {0: tier}
+    publisher.unpark(("disk", "f1"))  # deleted: lane 1 free
+    publisher.park(("host", 2), a)  # lane 1 again, in host memory now
+    for event in events[-2:]:
+        assert isinstance(event, BlockUpdate)
+        index.update(0, event)
+    names = chain(a)
+    assert index.tiers(names, index.cached_blocks(names)) == {0: "host"}
+    assert publisher.snapshot().disk == (2,)
+
+
 def test_a_snapshot_without_n_slots_is_all_slots() -> None:
     """A replica of an older version sends no ``n_slots``: every chain is a slot's."""
     index = PrefixIndex()

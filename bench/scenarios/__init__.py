@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from scenario import Scenario
 
-from . import constrained, fairness, kvtier, logprobs, ray, routing, versus
+from . import constrained, fairness, kvcluster, kvtier, logprobs, ray, routing, versus
 
 SCENARIOS: tuple[Scenario, ...] = (
     versus.SCENARIO,
@@ -18,4 +18,5 @@ SCENARIOS: tuple[Scenario, ...] = (
     fairness.SCENARIO,
     routing.SCENARIO,
     kvtier.SCENARIO,
+    kvcluster.SCENARIO,
 )

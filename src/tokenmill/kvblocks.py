@@ -22,7 +22,8 @@ A replica's host-memory tier (sequences parked when their slot was given to anot
 is published on the same stream, each parked sequence as one more chain after the
 slots' (a *lane*: ``n_slots`` on, reused once its sequence leaves the tier), so that
 the gateway routes a conversation back to the replica that parked its history; the
-snapshot's ``n_slots`` says which chains are slots and which are parked.
+snapshot's ``n_slots`` says which chains are slots and which are parked. The disk
+tier's files are published as lanes too (a replica that restarts announces them so).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import hashlib
 import heapq
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -90,16 +91,19 @@ class BlockUpdate:
     slot: int
     kept: int
     added: tuple[int, ...]
+    disk: bool = False  # the lane is a file of the disk tier's (a lane past the slots)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockSnapshot:
     """Every chain's block names, by index: what a replica holds as a whole. The
-    first ``n_slots`` are its KV slots', the rest its parked sequences' (host memory);
-    ``n_slots`` None: every chain is a slot's."""
+    first ``n_slots`` are its KV slots', the rest its parked sequences' (host memory,
+    or the disk tier's files: the lanes in ``disk``); ``n_slots`` None: every chain is
+    a slot's."""
 
     slots: tuple[tuple[int, ...], ...]
     n_slots: int | None = None
+    disk: tuple[int, ...] = ()
 
 
 # What a replica publishes: a snapshot when it (re)connects, then one update a change.
@@ -119,8 +123,11 @@ class SlotChains:
         self.n_slots = n_slots
         self._tokens: list[list[int]] = [[] for _ in range(n_slots)]
         self._names: list[list[int]] = [[] for _ in range(n_slots)]
+        self._disk: set[int] = set()  # lanes holding a disk tier file's sequence
 
-    def change(self, slot: int, kept: int, added: Sequence[int]) -> BlockUpdate | None:
+    def change(
+        self, slot: int, kept: int, added: Sequence[int], *, disk: bool = False
+    ) -> BlockUpdate | None:
         while len(self._tokens) <= slot:  # a lane (a parked sequence) past the slots
             self._tokens.append([])
             self._names.append([])
@@ -129,6 +136,10 @@ class SlotChains:
             raise ValueError(f"slot {slot} holds {len(tokens)} tokens, not {kept}")
         del tokens[kept:]
         tokens.extend(added)
+        if disk:
+            self._disk.add(slot)
+        else:
+            self._disk.discard(slot)
         whole = kept // BLOCK_TOKENS  # blocks untouched by the change
         cut = min(whole, len(names))
         new = extend_chain(names[cut - 1] if cut else ROOT, tokens[cut * BLOCK_TOKENS :])
@@ -136,11 +147,13 @@ class SlotChains:
             return None
         del names[cut:]
         names.extend(new)
-        return BlockUpdate(slot, cut, tuple(new))
+        return BlockUpdate(slot, cut, tuple(new), disk)
 
     def snapshot(self) -> BlockSnapshot:
         """Every slot's and lane's block names (what a (re)connecting gateway reads)."""
-        return BlockSnapshot(tuple(tuple(names) for names in self._names), self.n_slots)
+        return BlockSnapshot(
+            tuple(tuple(names) for names in self._names), self.n_slots, tuple(sorted(self._disk))
+        )
 
     def tokens(self, slot: int) -> tuple[int, ...]:
         """The tokens slot ``slot`` holds, as the changes said."""
@@ -165,7 +178,7 @@ class CachePublisher:
         self._n_slots = n_slots
         self._listeners: list[Callable[[CacheEvent], None]] = []
         # Parked sequences' lanes: key -> lane; lanes freed, lowest reused first.
-        self._lanes: dict[int, int] = {}
+        self._lanes: dict[Hashable, int] = {}
         self._free: list[int] = []
 
     def subscribe(self, listener: Callable[[CacheEvent], None]) -> Callable[[], None]:
@@ -185,25 +198,26 @@ class CachePublisher:
         with self._lock:
             self._change(slot, kept, added)
 
-    def park(self, key: int, tokens: Sequence[int]) -> None:
-        """Sequence ``key`` of the host-memory tier holds ``tokens`` (from position 0)."""
+    def park(self, key: Hashable, tokens: Sequence[int], *, disk: bool = False) -> None:
+        """Sequence ``key`` of the host-memory tier (``disk``: of the disk tier) holds
+        ``tokens`` (from position 0)."""
         with self._lock:
             lane = self._lanes.get(key)
             if lane is None:
                 lane = heapq.heappop(self._free) if self._free else self._n_slots + len(self._lanes)
                 self._lanes[key] = lane
-            self._change(lane, 0, tokens)
+            self._change(lane, 0, tokens, disk=disk)
 
-    def unpark(self, key: int) -> None:
-        """Sequence ``key`` left the host-memory tier (restored, evicted, resumed)."""
+    def unpark(self, key: Hashable) -> None:
+        """Sequence ``key`` left its tier (restored, evicted, resumed, deleted)."""
         with self._lock:
             lane = self._lanes.pop(key, None)
             if lane is not None:
                 self._change(lane, 0, ())
                 heapq.heappush(self._free, lane)
 
-    def _change(self, slot: int, kept: int, added: Sequence[int]) -> None:
-        update = self._chains.change(slot, kept, added)
+    def _change(self, slot: int, kept: int, added: Sequence[int], *, disk: bool = False) -> None:
+        update = self._chains.change(slot, kept, added, disk=disk)
         if update is not None:
             for listener in self._listeners:
                 listener(update)

@@ -51,7 +51,8 @@ STAGE_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
     0.25, 0.5, 1.0, 2.5, 10.0,
 )  # fmt: skip
-# A llama.cpp replica's KV pool and host tier, by its health().kv key (docs/operations.md).
+# A llama.cpp replica's KV pool, host and disk tiers, by its health().kv key
+# (docs/operations.md).
 KV_SERIES: dict[str, tuple[str, str]] = {
     "pool_tokens": ("gauge", "KV cells of the replica's pool."),
     "pool_used_tokens": ("gauge", "KV cells of the pool holding tokens (running or cached)."),
@@ -63,6 +64,15 @@ KV_SERIES: dict[str, tuple[str, str]] = {
     "host_restores": ("counter", "Parked sequences restored into a slot (hits and resumes)."),
     "host_evictions": ("counter", "Parked sequences dropped, least recently used, for room."),
     "preemptions": ("counter", "Running sequences swapped out of a full KV pool."),
+    "exports": ("counter", "Sequences' KV states handed to another replica."),
+    "imports": ("counter", "Sequences' KV states taken from another replica."),
+    "disk_bytes": ("gauge", "Bytes of the disk tier's files (kv_disk_dir)."),
+    "disk_capacity_bytes": ("gauge", "The disk tier's bound in bytes (kv_disk_bytes)."),
+    "disk_entries": ("gauge", "Sequences in the disk tier's files."),
+    "disk_written_bytes": ("counter", "Bytes of parked sequences written to the disk tier."),
+    "disk_hits": ("counter", "Prompts whose longest cached prefix was a disk tier file."),
+    "disk_restored_tokens": ("counter", "Tokens restored from the disk tier that prompts reused."),
+    "disk_dropped": ("counter", "Disk tier files deleted as stale, foreign or corrupt."),
 }
 QUEUE_BUCKETS = (0.0, 0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -320,6 +330,27 @@ class _LoadCollector(Collector):
             families[2].add_metric([dep_id], sum(usage) / len(usage) if usage else 0.0)
         yield from families
         yield from self._kv_families()
+        yield from self._move_families()
+
+    def _move_families(self) -> Iterator[Metric]:
+        """KV state moved between each deployment's replicas (tokenmill.gateway.moves)."""
+        moves = CounterMetricFamily(
+            "tokenmill_kv_moves",
+            "KV state moves between replicas that routing decided, by outcome (moved, "
+            "missing, refused, failed).",
+            labels=["deployment", "outcome"],
+        )
+        moved = CounterMetricFamily(
+            "tokenmill_kv_moved_bytes",
+            "Bytes of KV state moved between replicas.",
+            labels=["deployment"],
+        )
+        for dep_id, dep in self.gateway.deployments.items():
+            for outcome, count in dep.moves.outcomes.items():
+                moves.add_metric([dep_id, outcome], count)
+            moved.add_metric([dep_id], dep.moves.bytes_moved)
+        yield moves
+        yield moved
 
     def _kv_families(self) -> Iterator[Metric]:
         """Every llama.cpp replica's KV pool and host-memory tier (``health().kv``)."""

@@ -51,7 +51,7 @@ class Published:
         held: dict[int, int] = {}
         for event in list(self.events):
             if isinstance(event, BlockSnapshot):
-                index.reset(0, event.slots, event.n_slots)
+                index.reset(0, event.slots, event.n_slots, event.disk)
                 held = {i: len(names) for i, names in enumerate(event.slots)}
             else:
                 assert isinstance(event, BlockUpdate)
@@ -71,12 +71,19 @@ def parked(engine: LlamaCppEngine) -> set[tuple[int, ...]]:
     return {tuple(chain(e.tokens)) for e in entries if not e.pinned}
 
 
+def on_disk(engine: LlamaCppEngine) -> list[tuple[int, ...]]:
+    """The chains of the sequences the engine's disk tier holds as files."""
+    disk = engine._require().disk
+    return [] if disk is None else [tuple(chain(e.tokens)) for e in disk.tier.entries.values()]
+
+
 def matches(engine: LlamaCppEngine, index: PrefixIndex) -> bool:
     """The index holds what the engine holds: every slot's chain, in order, then one
-    lane a parked sequence (in any order; freed lanes are empty)."""
+    lane a parked sequence or disk tier file (in any order; freed lanes are empty)."""
     chains, slots = index.chains(0), engine.max_num_seqs
     lanes = [c for c in chains[slots:] if c]
-    return chains[:slots] == real(engine) and sorted(lanes) == sorted(parked(engine))
+    held = [*parked(engine), *on_disk(engine)]
+    return chains[:slots] == real(engine) and sorted(lanes) == sorted(held)
 
 
 async def settled(engine: LlamaCppEngine, published: Published, what: str) -> None:

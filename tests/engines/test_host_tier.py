@@ -14,9 +14,11 @@ batches the same way (greedy answers are then comparable token for token).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,9 +31,11 @@ from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.llamacpp import LlamaCppEngine
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.errors import EngineError
+from tokenmill.kvblocks import chain
 
 TOPICS = ["lighthouses", "glaciers", "beekeeping", "violins"]
 HOST = 256 << 20  # room for every conversation here
+DISK = "/tmp/tokenmill-kv-test"  # never created: start-up stops before
 
 
 def opening(topic: str) -> str:
@@ -178,10 +182,73 @@ async def test_a_long_prompt_is_answered_beside_short_streams_in_one_pool() -> N
     assert all(u.completion_tokens == 8 for _, u in shorts)
 
 
+async def test_a_closed_engines_slots_are_found_on_disk_by_the_next(tmp_path: Path) -> None:
+    """What a slot holds when its request ends is written to the disk tier (and what
+    the slots hold when the engine closes: idle unload, shutdown); the next engine on
+    the directory restores a continuation from it, and the answer is the one of an
+    engine that never closed."""
+    first = opening("lighthouses")
+    async with engine(max_num_seqs=2, n_ctx=1024) as eng:
+        text, usage = await complete(eng, "a-1", first, 16)
+        expected, _ = await complete(eng, "a-2", first + text + " Also,", 16)
+    async with engine(max_num_seqs=2, n_ctx=1024, kv_disk_dir=tmp_path) as eng:
+        assert (text, usage) == await complete(eng, "a-1", first, 16)
+    files = await asyncio.to_thread(lambda: list(tmp_path.glob("*.tmkv")))
+    assert len(files) == 1  # its slot's sequence, once
+    published = Published()
+    async with engine(max_num_seqs=2, n_ctx=1024, kv_disk_dir=tmp_path) as eng:
+        eng.publish_cache(published.events.append)
+        stats = eng.kv_stats()
+        assert stats["disk_entries"] == 1 and stats["disk_bytes"] == files[0].stat().st_size
+        # Announced as it started: a disk lane, in the index routing builds.
+        assert matches(eng, published.index())
+        names = chain(eng.vocab.tokenize(first + text))
+        index = published.index()
+        assert index.tiers(names, index.cached_blocks(names)) == {0: "disk"}
+        got, second = await complete(eng, "a-2", first + text + " Also,", 16)
+        stats = eng.kv_stats()
+        assert matches(eng, published.index())
+    assert second.cached_tokens >= usage.prompt_tokens
+    assert stats["disk_hits"] == 1 and stats["disk_restored_tokens"] == second.cached_tokens
+    assert got == expected
+
+
+async def test_a_sequence_moved_to_another_engine_continues_exactly() -> None:
+    """One engine computes a conversation's first turn; another imports its state
+    (what a move between replicas does) and serves the next turn from it: cached,
+    and the same answer the first engine gives."""
+    first = opening("glaciers")
+    async with (
+        engine(max_num_seqs=2, n_ctx=1024) as home,
+        engine(max_num_seqs=2, n_ctx=1024) as away,
+    ):
+        text, usage = await complete(home, "g-1", first, 16)
+        following = first + text + " Also,"
+        prompt = home.vocab.tokenize(following)
+        assert await home.export_kv(home.vocab.tokenize("Nothing like it"), 64) is None
+        state = await home.export_kv(prompt, 64)
+        assert state is not None and len(state.tokens) >= usage.prompt_tokens
+        assert prompt[: usage.prompt_tokens] == list(state.tokens[: usage.prompt_tokens])
+        foreign = dataclasses.replace(state, fingerprint="another model")
+        assert not await away.import_kv(foreign)
+        published = Published()
+        away.publish_cache(published.events.append)
+        assert await away.import_kv(state)
+        assert away.kv_stats()["host_entries"] == 1 and away.kv_stats()["imports"] == 1
+        assert matches(away, published.index())  # published as a parked sequence
+        got, second = await complete(away, "g-2", following, 16)
+        expected, _ = await complete(home, "g-2", following, 16)
+        assert second.cached_tokens >= usage.prompt_tokens
+        assert got == expected
+        assert home.kv_stats()["exports"] == 1
+
+
 @pytest.mark.parametrize(
     ("kwargs", "key"),
     [
         (dict(n_ctx=1024, kv_host_bytes=1 << 20), "kv_host_bytes"),
+        (dict(n_ctx=1024, kv_disk_dir=DISK, kv_disk_bytes=1 << 20), "kv_disk_bytes"),
+        (dict(n_ctx=1024, kv_disk_dir=DISK, kv_host_bytes=0), "kv_host_bytes"),
         (dict(n_ctx=10_000_000), "n_ctx"),
         (dict(n_ctx=1024, kv_pool_tokens=512), "kv_pool_tokens"),
     ],
@@ -189,6 +256,15 @@ async def test_a_long_prompt_is_answered_beside_short_streams_in_one_pool() -> N
 async def test_bad_sizes_stop_start_up_naming_the_key(kwargs: dict[str, int], key: str) -> None:
     eng = LlamaCppEngine(n_threads=1, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(EngineError, match=key):
+        await eng.start()
+    await eng.close()
+
+
+async def test_a_disk_dir_that_cannot_be_a_directory_stops_start_up(tmp_path: Path) -> None:
+    taken = tmp_path / "a-file"
+    await asyncio.to_thread(taken.write_text, "not a directory")
+    eng = LlamaCppEngine(n_threads=1, n_ctx=1024, kv_disk_dir=taken)
+    with pytest.raises(EngineError, match="kv_disk_dir"):
         await eng.start()
     await eng.close()
 

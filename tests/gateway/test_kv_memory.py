@@ -40,7 +40,15 @@ SERIES = {
     "host_entries": "tokenmill_kv_host_entries",
     **{
         key: f"tokenmill_kv_{key}_total"
-        for key in ("host_parks", "host_hits", "host_restores", "host_evictions", "preemptions")
+        for key in (
+            "host_parks",
+            "host_hits",
+            "host_restores",
+            "host_evictions",
+            "preemptions",
+            "exports",
+            "imports",
+        )
     },
 }
 

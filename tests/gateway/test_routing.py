@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,9 @@ from tokenmill.gateway.routing.cache_aware import (
     DECODE_S,
     HORIZON,
     IMBALANCE,
+    MOVE_S,
     PREFILL_S,
+    READ_S,
     RESTORE_S,
     CacheAware,
 )
@@ -164,6 +167,42 @@ def test_a_continuation_waits_for_its_full_home_when_that_beats_recomputing() ->
     assert LeastLoaded().choose([home, other], query).index == 1
 
 
+def test_a_history_moves_where_there_is_room_when_that_beats_waiting_and_computing() -> None:
+    """Its home is full; moving 2,000 tokens of history to a replica with room costs
+    them MOVE_S + RESTORE_S each, far less than waiting or computing them: the
+    decision names the home as the donor, with the tokens it holds and their tier."""
+    home = view(0, slots=2, in_flight=2, cached_tokens=2000, continues=True, cached_tier="host")
+    other = view(1, slots=2, in_flight=1)
+    query = RouteQuery(2010, max_tokens=256)
+    movable = [replace(home, movable=True), replace(other, movable=True)]
+    d = CacheAware().choose(movable, query)
+    assert (d.index, d.move_from, d.cached_tokens, d.tier, d.continues) == (
+        1, 0, 2000, "host", True,
+    )  # fmt: skip
+    load = 2000 * (MOVE_S + RESTORE_S)
+    assert d.score_s == pytest.approx((10 + 1) * PREFILL_S + load + DECODE_S / 2)
+    # Engines that cannot move state: it waits for its home (or computes it all).
+    assert CacheAware().choose([home, other], query).move_from is None
+    # A move measured slow (the gateway far from its replicas): waiting wins.
+    slow = [replace(movable[0], move_s=1e-2), movable[1]]
+    assert CacheAware().choose(slow, query).index == 0
+    # Too little to move: 100 tokens more than the target holds.
+    some = replace(movable[1], cached_tokens=1900, cached_tier="slot")
+    d = CacheAware().choose([movable[0], some], query)
+    assert d.move_from is None
+    # Its home with room: nothing moves.
+    roomy = replace(movable[0], in_flight=0)
+    assert CacheAware().choose([roomy, movable[1]], query).move_from is None
+    # Load badly imbalanced: the least loaded replica takes the request, and the
+    # history with it.
+    idle = replace(movable[1], in_flight=0)
+    d = CacheAware().choose([replace(movable[0], slots=2, in_flight=2), idle], query)
+    assert (d.index, d.move_from, d.cached_tokens) == (1, 0, 2000)
+    # A donor that is not serving (restarting) sends nothing.
+    gone = replace(movable[0], serving=False)
+    assert CacheAware().choose([gone, movable[1]], query).move_from is None
+
+
 def test_a_slower_replica_gets_less() -> None:
     fast, slow = view(0, prefill_s=1e-3, decode_s=1e-2), view(1, prefill_s=3e-3, decode_s=3e-2)
     assert CacheAware().choose([slow, fast], PROMPT).index == 0
@@ -259,6 +298,14 @@ def test_a_history_parked_in_host_memory_is_nearly_as_good_as_a_slot() -> None:
     busy = view(0, in_flight=3, cached_tokens=288, continues=True, cached_tier="host")
     d = CacheAware().choose([busy, view(1)], PROMPT)
     assert (d.index, d.tier) == (0, "host")
+    # A history only in a disk tier file costs a read more, still far less than
+    # computing it: it wins over nothing, and loses to the same in host memory.
+    on_disk = view(0, cached_tokens=288, continues=True, cached_tier="disk", last_used=9.0)
+    d = CacheAware().choose([on_disk, view(1)], PROMPT)
+    assert (d.index, d.tier) == (0, "disk")
+    assert d.score_s == pytest.approx((300 - 288) * PREFILL_S + 288 * READ_S)
+    in_host = view(1, cached_tokens=288, continues=True, cached_tier="host", last_used=9.0)
+    assert CacheAware().choose([on_disk, in_host], PROMPT).tier == "host"
     # The other policies report the tier too (the route log field).
     assert LeastLoaded().choose([parked, view(1)], PROMPT).tier is None
     assert LeastLoaded().choose([parked], PROMPT).tier == "host"

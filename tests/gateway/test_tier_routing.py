@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess, launch
+from tests.sse import events
 from tests.waiting import HANG_S, wait_until
 
 # Unrelated prompts, sent as plain completions (a chat template would give every
@@ -53,9 +54,11 @@ kv_host_bytes = 67108864
     srv.stop()
 
 
-def complete(gw: ServerProcess, prompt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def complete(
+    gw: ServerProcess, prompt: str, max_tokens: int = 8
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """One completion: the response and its log line."""
-    body = {"model": "notes", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    body = {"model": "notes", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     r = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=HANG_S)
     assert r.status_code == 200, r.text
     line = wait_until(partial(gw.request_line, r.headers["x-request-id"]), "the log line")
@@ -99,3 +102,45 @@ def test_each_next_turn_goes_back_to_the_replica_that_holds_its_history(
         if line.startswith("tokenmill_routing_decisions_total{") and 'tier="host"' in line
     ]
     assert sum(from_host) == tiers.count("host"), metrics
+
+
+def test_a_busy_homes_history_moves_with_the_next_turn(gw: ServerProcess) -> None:
+    """The conversation's home is busy (its only slot runs a story that shares the
+    conversation's document, which parked the conversation there); the next turn goes
+    to the other replica, and its history moves with it instead of being computed
+    again: the route says from where, and the answer reports it cached."""
+    doc = (
+        "Notes for a museum guide. The salt roads of the Sahara and the caravans "
+        "that crossed them, in three paragraphs. "
+    ) * 6
+    opening = doc + "Question: who led the caravans? Answer:"
+    first, line = complete(gw, opening, max_tokens=48)
+    home = line["route"]["replica"]
+    story = {"model": "notes", "prompt": doc + "Now a long story about it:", "stream": True}
+    story |= {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with (
+        httpx.Client(base_url=gw.url, timeout=HANG_S) as c,
+        c.stream("POST", "/v1/completions", json=story) as running,
+    ):
+        stream = events(running)  # one iterator: dropping it closes the stream
+        assert isinstance(next(stream), dict)  # the story runs
+        following = opening + first["choices"][0]["text"] + " And then"
+        body, line = complete(gw, following)
+        story_id = running.headers["x-request-id"]
+    # (The story's line is logged once it ended: the client left.)
+    story_line = wait_until(partial(gw.request_line, story_id), "the story's log line")
+    assert story_line["route"]["replica"] == home  # its document was cached there
+    route = line["route"]
+    assert route["replica"] != home, route
+    assert (route["moved_from"], route["moved"], route["continues"]) == (home, "moved", True)
+    prompt_before = first["usage"]["prompt_tokens"]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_before, body
+    dep = httpx.get(f"{gw.url}/v1/deployments/notes", timeout=HANG_S).json()
+    assert dep["kv_moves"]["moved"] >= 1 and dep["kv_moves"]["bytes"] > 0, dep["kv_moves"]
+    metrics = httpx.get(f"{gw.url}/metrics", timeout=HANG_S).text
+    moved = [
+        float(m.rsplit(" ", 1)[1])
+        for m in metrics.splitlines()
+        if m.startswith('tokenmill_kv_moved_bytes_total{deployment="notes"}')
+    ]
+    assert moved == [dep["kv_moves"]["bytes"]], metrics

@@ -27,6 +27,11 @@ def test_cache_events_survive_the_wire() -> None:
     assert through_json(with_parked) == with_parked
     update = BlockUpdate(2, 1, names[1:])
     assert through_json(update) == update
+    # Lanes that are disk tier files, in a snapshot and as a lane is filled.
+    with_disk = BlockSnapshot((names, (), names[:2], names[:1]), n_slots=2, disk=(3,))
+    assert through_json(with_disk) == with_disk
+    on_disk = BlockUpdate(3, 0, names, disk=True)
+    assert through_json(on_disk) == on_disk
 
 
 def test_prepared_token_ids_travel_with_the_request() -> None:

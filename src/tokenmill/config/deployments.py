@@ -8,7 +8,7 @@ class that serves it. A section survives ``model_dump(mode="json")`` and
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, TypeAlias
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeAlias
 
 from pydantic import (
     BaseModel,
@@ -83,6 +83,11 @@ class DeploymentCommon(BaseModel):
         """The engine class that serves this deployment, as "module:Class"."""
         return self.ENGINE_TARGET
 
+    def for_replica(self, index: int) -> Self:
+        """This section as replica ``index`` runs it: where a replica keeps state of
+        its own (a directory), each gets its own."""
+        return self
+
 
 Placement = Literal["process", "local", "ray"]
 # A pool's name: its replicas are the Ray actors "<pool>/<index>" (tokenmill.replicas.pool).
@@ -97,6 +102,9 @@ class ReplicatedDeployment(DeploymentCommon):
 
     replicas: int = Field(default=1, ge=1, le=64)
     placement: Placement = "process"
+    # Move a prompt's KV state from the replica holding it to the one routing chose
+    # when that beats computing it (engines that can, docs/routing.md); false: never.
+    kv_moves: bool = True
     # placement = "ray" only. CPUs the replica's actor reserves (default: ray_cpus()),
     # and custom resources it needs ({node_b = 1} pins it to nodes that offer node_b).
     ray_num_cpus: float | None = Field(default=None, gt=0, allow_inf_nan=False)
@@ -209,6 +217,13 @@ class LlamaCppDeployment(ReplicatedDeployment):
     # Host memory for sequences parked from reassigned slots, in bytes. Unset: a
     # quarter of the memory available at start, at most 8 GiB; 0: no host tier.
     kv_host_bytes: int | None = Field(default=None, ge=0)
+    # A directory where what the host tier parks is also written, so that a replica
+    # that crashes, restarts or is unloaded finds its conversations' histories again
+    # (docs/operations.md#kv-memory). Unset: no disk tier. Replicas of a deployment
+    # each get a subdirectory of their own.
+    kv_disk_dir: Path | None = None
+    # The disk tier's bound in bytes. Unset: half the free space there, at most 32 GiB.
+    kv_disk_bytes: int | None = Field(default=None, ge=1)
     # RoPE context extension, as llama-server's --rope-scaling/--rope-scale/
     # --yarn-orig-ctx: serve an n_ctx past the model's training context (SmolLM2's 8k
     # at 32k: "yarn", rope_scale 4, yarn_orig_ctx 8192). Quality past the trained
@@ -216,6 +231,17 @@ class LlamaCppDeployment(ReplicatedDeployment):
     rope_scaling: Literal["none", "linear", "yarn"] | None = None
     rope_scale: float | None = Field(default=None, ge=1.0, allow_inf_nan=False)
     yarn_orig_ctx: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _disk_keys_together(self) -> LlamaCppDeployment:
+        if self.kv_disk_bytes is not None and self.kv_disk_dir is None:
+            raise ValueError("kv_disk_bytes needs kv_disk_dir (where the disk tier's files go)")
+        if self.kv_disk_dir is not None and self.kv_host_bytes == 0:
+            raise ValueError(
+                "kv_disk_dir needs the host-memory tier (what it parks is written to "
+                "disk): kv_host_bytes must not be 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _rope_keys_together(self) -> LlamaCppDeployment:
@@ -229,6 +255,11 @@ class LlamaCppDeployment(ReplicatedDeployment):
         if self.ray_num_cpus is not None:
             return self.ray_num_cpus
         return float(self.n_threads or 1)
+
+    def for_replica(self, index: int) -> Self:
+        if self.kv_disk_dir is None:
+            return self
+        return self.model_copy(update={"kv_disk_dir": self.kv_disk_dir / f"replica-{index}"})
 
     @field_validator("n_ctx")
     @classmethod

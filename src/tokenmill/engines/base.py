@@ -63,6 +63,8 @@ __all__ = [
     "EngineHealth",
     "FinishReason",
     "GenerationRequest",
+    "KvMoving",
+    "KvState",
     "Prepared",
     "PromptInfo",
     "PromptItem",
@@ -309,6 +311,8 @@ class EngineHealth:
     # The KV pool and host-memory tier of engines that have them (llama.cpp's
     # kv_stats(): cells, bytes, entries, counters), for the deployment's describe.
     kv: dict[str, int] = field(default_factory=dict)
+    # Whether the engine exports and imports KV state (KvMoving), for routing.
+    moves_kv: bool = False
 
 
 @runtime_checkable
@@ -404,6 +408,35 @@ class CachePublishing(Protocol):
     """
 
     def publish_cache(self, listener: Callable[[CacheEvent], None]) -> Callable[[], None]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KvState:
+    """One sequence's KV cells, as they move between replicas of a deployment: its
+    tokens from position 0, the engine's saved state of them (opaque bytes) and what
+    that state is valid for (``fingerprint``: the model file and the engine's state
+    format; an engine takes only its own)."""
+
+    tokens: tuple[int, ...]
+    state: bytes
+    fingerprint: str
+
+
+@runtime_checkable
+class KvMoving(Protocol):
+    """An optional capability: the engine hands out, and takes in, the KV state of a
+    sequence it holds, so that a replica can serve a prompt another one computed.
+
+    ``export_kv(tokens)``: the sequence the engine holds (in a slot, or a tier of its
+    cache) sharing the longest prefix with ``tokens``, at least ``min_tokens`` of it;
+    None when it holds none. ``import_kv(state)``: keep ``state`` as a cached sequence
+    (parked: the next prompt that continues it restores it); False when it was not
+    taken (another fingerprint, no room). Neither affects a running request.
+    """
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None: ...
+
+    async def import_kv(self, state: KvState) -> bool: ...
 
 
 # Requests remembered between prepare() and generate() (a client that leaves in

@@ -30,8 +30,10 @@ from typing import Any
 from tokenmill.config import DeploymentConfig
 from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
+from tokenmill.gateway.moves import KvMoves
 from tokenmill.gateway.prefix import PrefixIndex, Tier
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
+from tokenmill.gateway.routing.cache_aware import MOVE_MIN_TOKENS, PREFILL_S
 from tokenmill.gateway.routing.speed import Speed
 from tokenmill.kvblocks import BLOCK_TOKENS, BlockSnapshot, CacheEvent, chain
 from tokenmill.replicas import ADMITTING, ReplicaHost, ReplicaState, build_host
@@ -70,6 +72,13 @@ class Replica:
     def looks_full(self, weight: int) -> bool:
         """A shared replica's last report leaves no room for ``weight`` slots."""
         return self.slots - self.host.health().running < weight
+
+    def movable(self) -> bool:
+        """Its engine exports and imports KV state (reported with its health)."""
+        try:
+            return self.host.health().moves_kv
+        except Exception:  # not loaded yet: nothing to move
+            return False
 
     def available(self) -> bool:
         """Counts toward the deployment's capacity: serving, or loads on demand."""
@@ -140,6 +149,8 @@ class Deployment:
         self.routing = policy(config.routing)
         # What each replica's KV cache holds, from the events its host passes on.
         self.prefixes = PrefixIndex()
+        self.moves = KvMoves()  # KV state moved between its replicas (routing's moves)
+        self._moves_on = bool(getattr(config, "kv_moves", False))
         for replica in self.replicas:
             replica.host.on_change(self._changed(replica.index))
             replica.host.on_cache(self._cached(replica.index))
@@ -226,6 +237,8 @@ class Deployment:
                 decode_s=r.speed.decode_s,
                 generated=r.speed.generated,
                 last_used=r.last_used,
+                movable=self._moves_on and r.movable(),
+                move_s=self.moves.move_s,
             )
             for r in self.replicas
         ]
@@ -272,13 +285,31 @@ class Deployment:
             replica, decision = await self.route(query, prompt, avoid=refused)
             try:
                 await replica.host.reserve(request_id, weight)
-                return replica, decision
             except ReplicaFullError:
                 self.release(replica, weight)
                 refused.add(replica)
+                continue
             except BaseException:
                 self.release(replica, weight)
                 raise
+            if decision.move_from is not None:
+                decision = await self._move(decision, replica, prompt)
+            return replica, decision
+
+    async def _move(self, decision: Decision, target: Replica, prompt: Sequence[int]) -> Decision:
+        """Carry out the decision's move to ``target`` (:mod:`.moves`); the decision as
+        it turned out (``moved``)."""
+        assert decision.move_from is not None
+        donor = self.replicas[decision.move_from]
+        # Worth waiting for no longer than computing what it brings would take.
+        gain = decision.cached_tokens - self.prefixes.cached_tokens(chain(prompt)).get(
+            target.index, 0
+        )
+        budget = gain * (target.speed.prefill_s or PREFILL_S)
+        outcome = await self.moves.move(
+            donor.host, target.host, prompt, min_tokens=MOVE_MIN_TOKENS, budget_s=budget
+        )
+        return dataclasses.replace(decision, moved=outcome)
 
     def _wake(self) -> None:
         self._room.set()
@@ -325,7 +356,7 @@ class Deployment:
     def _cached(self, index: int) -> Callable[[CacheEvent], None]:
         def cached(event: CacheEvent) -> None:
             if isinstance(event, BlockSnapshot):
-                self.prefixes.reset(index, event.slots, event.n_slots)
+                self.prefixes.reset(index, event.slots, event.n_slots, event.disk)
             else:
                 self.prefixes.update(index, event)
 
@@ -368,6 +399,8 @@ class Deployment:
             "admission": self.config.admission,
             # Who waits and runs here, and the share each is owed (docs/fairness.md).
             "accounts": [dataclasses.asdict(v) for v in self.admission.accounts()],
+            # KV state moved between its replicas (docs/routing.md).
+            "kv_moves": self.moves.describe(),
         }
 
 

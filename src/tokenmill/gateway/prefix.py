@@ -8,9 +8,10 @@ that for a prompt's chain it answers how many leading blocks each replica has ca
 A replica that dies or restarts is dropped until its next snapshot. An upstream
 replica publishes nothing and never appears here.
 
-A replica's chains past its slots are the sequences its host-memory tier parked
-(:mod:`tokenmill.kvblocks`): a prompt they hold is cached there too, one restore
-away instead of in a slot; :meth:`PrefixIndex.tiers` says which.
+A replica's chains past its slots are the sequences its host-memory tier parked, and
+its disk tier's files (:mod:`tokenmill.kvblocks`): a prompt they hold is cached there
+too, one restore (or one file read) away instead of in a slot;
+:meth:`PrefixIndex.tiers` says which.
 
 The index only ever under-reports: it is bounded (:data:`MAX_BLOCKS_PER_REPLICA`),
 and blocks past the bound, or whose parent it does not have, are not indexed; a
@@ -27,9 +28,10 @@ from tokenmill.kvblocks import BLOCK_TOKENS, BlockUpdate
 
 __all__ = ["MAX_BLOCKS_PER_REPLICA", "PrefixIndex", "Tier"]
 
-# Where a replica holds a prompt's cached prefix: in a KV slot, or parked in its host
-# memory (restored into a slot before the rest of the prompt is computed).
-Tier = Literal["slot", "host"]
+# Where a replica holds a prompt's cached prefix: in a KV slot, parked in its host
+# memory, or in its disk tier's files (restored into a slot, or read and restored,
+# before the rest of the prompt is computed).
+Tier = Literal["slot", "host", "disk"]
 
 # Block names indexed per replica: 65,536 blocks are 1M tokens of KV cache (16 slots
 # of 64k tokens; tokenmill's default is 16 of 2k), at about 200 bytes an entry 13 MB
@@ -48,15 +50,23 @@ class PrefixIndex:
         self._holders: dict[int, dict[int, int]] = {}
         # replica -> how many of its chains are slots (the rest: parked sequences)
         self._slots: dict[int, int] = {}
+        # replica -> its lanes that are disk tier files (the other lanes: host memory)
+        self._disk: dict[int, set[int]] = {}
 
     def reset(
-        self, replica: int, slots: Sequence[Sequence[int]], n_slots: int | None = None
+        self,
+        replica: int,
+        slots: Sequence[Sequence[int]],
+        n_slots: int | None = None,
+        disk: Sequence[int] = (),
     ) -> None:
         """Replace what ``replica`` holds with a snapshot (one chain a slot, then one a
-        parked sequence: the first ``n_slots`` are slots; None: all are)."""
+        parked sequence: the first ``n_slots`` are slots, None: all are; the lanes in
+        ``disk`` are disk tier files)."""
         self.drop(replica)
         self._chains[replica] = [[] for _ in slots]
         self._slots[replica] = len(slots) if n_slots is None else n_slots
+        self._disk[replica] = set(disk)
         self._sizes[replica] = 0
         for slot, names in enumerate(slots):
             self._extend(replica, slot, names)
@@ -69,6 +79,11 @@ class PrefixIndex:
         while len(chains) <= change.slot:
             chains.append([])
         chain = chains[change.slot]
+        disk = self._disk.setdefault(replica, set())
+        if change.disk:
+            disk.add(change.slot)
+        else:
+            disk.discard(change.slot)
         indexed = len(chain)
         for name in chain[change.kept :]:
             self._forget(replica, name)
@@ -83,6 +98,7 @@ class PrefixIndex:
                 self._forget(replica, name)
         self._sizes.pop(replica, None)
         self._slots.pop(replica, None)
+        self._disk.pop(replica, None)
 
     def cached_blocks(self, names: Sequence[int]) -> dict[int, int]:
         """For a prompt's chain, each indexed replica's number of leading blocks held."""
@@ -117,14 +133,20 @@ class PrefixIndex:
     def tiers(self, names: Sequence[int], held: Mapping[int, int]) -> dict[int, Tier]:
         """For the replicas of ``held`` (:meth:`cached_blocks` of ``names``) that hold
         any of it, where: ``slot`` when a slot holds all those blocks, else ``host``
-        (only a parked sequence does)."""
+        when a sequence parked in host memory does, else ``disk`` (only a file)."""
         out: dict[int, Tier] = {}
         for replica, n in held.items():
             if not n:
                 continue
-            slots = self._chains.get(replica, [])[: self._slots.get(replica, 0)]
-            in_slot = any(len(c) >= n and c[n - 1] == names[n - 1] for c in slots)
-            out[replica] = "slot" if in_slot else "host"
+            chains = self._chains.get(replica, [])
+            n_slots, disk = self._slots.get(replica, 0), self._disk.get(replica, set())
+            holding = [i for i, c in enumerate(chains) if len(c) >= n and c[n - 1] == names[n - 1]]
+            if any(i < n_slots for i in holding):
+                out[replica] = "slot"
+            elif any(i not in disk for i in holding):
+                out[replica] = "host"
+            else:
+                out[replica] = "disk"
         return out
 
     def cached_tokens(self, names: Sequence[int]) -> dict[int, int]:

@@ -107,4 +107,6 @@ def _route_fields(route: Decision | None) -> dict[str, Any] | None:
         "score_ms": None if route.score_s is None else round(route.score_s * 1000, 3),
         "continues": route.continues,
         "tier": route.tier,
+        "moved_from": route.move_from,
+        "moved": route.moved,
     }

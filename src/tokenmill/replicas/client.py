@@ -32,6 +32,7 @@ from tokenmill.engines import (
     EmbeddingRequest,
     Embeddings,
     GenerationRequest,
+    KvState,
     PromptInfo,
     TokenizeRequest,
     TokenizerInfo,
@@ -259,6 +260,21 @@ class ReplicaClient:
     async def tokenizer_info(self) -> TokenizerInfo:
         answer = await self._call(self._next_id(), {"op": "tokenizer_info"})
         return decode_tokenizer_info(answer["info"])
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None:
+        """The replica's KV state of the longest prefix of ``tokens`` it holds (at
+        least ``min_tokens``), carried raw after the answer's JSON."""
+        message = {"op": "kv_export", "tokens": list(tokens), "min": min_tokens}
+        answer = await self._call(self._next_id(), message)
+        if not answer.get("found"):
+            return None
+        held = tuple(int(t) for t in answer["tokens"])
+        return KvState(held, bytes(answer["blob"]), str(answer["fp"]))
+
+    async def import_kv(self, state: KvState) -> bool:
+        message = {"op": "kv_import", "tokens": list(state.tokens), "fp": state.fingerprint}
+        answer = await self._call(self._next_id(), {**message, "blob": state.state})
+        return bool(answer.get("ok"))
 
     async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
         answer = await self._call(

@@ -39,6 +39,7 @@ from tokenmill.engines import (
     Embeddings,
     EngineHealth,
     GenerationRequest,
+    KvState,
     PromptInfo,
     TokenizeRequest,
     TokenizerInfo,
@@ -124,6 +125,16 @@ class ReplicaHost(Protocol):
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
         """One unit-length vector per input (after ``prepare_embeddings``)."""
+        ...
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None:
+        """The replica's KV state of the longest prefix of ``tokens`` it holds, at least
+        ``min_tokens`` of it (see :class:`~tokenmill.engines.KvMoving`); None when it
+        holds none or its engine cannot move state."""
+        ...
+
+    async def import_kv(self, state: KvState) -> bool:
+        """Keep ``state`` as a cached sequence; False when not taken."""
         ...
 
     def health(self) -> EngineHealth: ...

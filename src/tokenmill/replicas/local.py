@@ -21,6 +21,8 @@ from tokenmill.engines import (
     Engine,
     EngineHealth,
     GenerationRequest,
+    KvMoving,
+    KvState,
     PromptInfo,
     TokenizeRequest,
     TokenizerInfo,
@@ -153,6 +155,16 @@ class LocalHost:
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
         return await self._embedder().embed(request)
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None:
+        if not isinstance(self.engine, KvMoving):
+            return None
+        return await self.engine.export_kv(tokens, min_tokens)
+
+    async def import_kv(self, state: KvState) -> bool:
+        if not isinstance(self.engine, KvMoving):
+            return False
+        return await self.engine.import_kv(state)
 
     def health(self) -> EngineHealth:
         return self.engine.health()

@@ -23,6 +23,7 @@ def build_host(
     """The host of replica ``index`` of ``config``: where its engine runs is its
     placement (a Ray placement joins the cluster at ``ray_address``, or starts a local
     one; in a pool, replica ``index`` is the pool's actor of that index)."""
+    config = config.for_replica(index)
     if not isinstance(config, ReplicatedDeployment) or config.placement == "local":
         return LocalHost(create_engine(config))
     launcher: Launcher

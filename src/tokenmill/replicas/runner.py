@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from asyncio.trsock import TransportSocket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from tokenmill import stages
@@ -46,6 +46,8 @@ from tokenmill.engines import (
     EmbeddingEngine,
     Engine,
     GenerationRequest,
+    KvMoving,
+    KvState,
     SteppedEngine,
     StepSink,
     TokenizingEngine,
@@ -162,6 +164,7 @@ def engine_status(engine: Engine) -> dict[str, Any]:
         ),
         # The KV pool and host-memory tier (llama.cpp), for the deployment's describe.
         "kv": h.kv,
+        "moves_kv": h.moves_kv,
     }
 
 
@@ -219,9 +222,36 @@ class Runner:
             await self.answer(msg)
         elif op in ("embed_prepare", "embed"):
             self.embedding(msg)
+        elif op in ("kv_export", "kv_import"):
+            self._task(self._kv_move(msg))
         else:
             return False
         return True
+
+    def _task(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+
+    async def _kv_move(self, msg: dict[str, Any]) -> None:
+        """A ``kv_export`` (the state of the longest held prefix of ``tokens``, as the
+        answer's blob) or ``kv_import`` frame (a state to keep), answered by its id."""
+        call_id = msg["id"]
+        try:
+            if not isinstance(self.engine, KvMoving):
+                raise InvalidRequestError(f"the {self.engine.name} engine cannot move KV state")
+            if msg["op"] == "kv_export":
+                got = await self.engine.export_kv(msg["tokens"], int(msg["min"]))
+                answer: dict[str, Any] = {"found": got is not None}
+                if got is not None:
+                    answer |= {"tokens": list(got.tokens), "fp": got.fingerprint, "blob": got.state}
+            else:
+                state = KvState(tuple(msg["tokens"]), bytes(msg["blob"]), str(msg["fp"]))
+                answer = {"ok": await self.engine.import_kv(state)}
+        except Exception as e:
+            self.out.send({"op": "error", "id": call_id, "error": encode_error(e)})
+            return
+        self.out.send({"op": "answer", "id": call_id, **answer})
 
     async def answer(self, msg: dict[str, Any]) -> None:
         """A ``tokenize``, ``detokenize`` or ``tokenizer_info`` frame, answered by its id."""
@@ -245,9 +275,7 @@ class Runner:
 
     def embedding(self, msg: dict[str, Any]) -> None:
         """An ``embed_prepare`` or ``embed`` frame, answered by its id from a task."""
-        task = asyncio.create_task(self._embedding(msg))
-        self.calls.add(task)
-        task.add_done_callback(self.calls.discard)
+        self._task(self._embedding(msg))
 
     async def _embedding(self, msg: dict[str, Any]) -> None:
         call_id = msg["id"]

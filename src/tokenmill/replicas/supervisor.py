@@ -40,6 +40,7 @@ from tokenmill.engines import (
     Embeddings,
     EngineHealth,
     GenerationRequest,
+    KvState,
     PromptInfo,
     TokenizeRequest,
     TokenizerInfo,
@@ -159,6 +160,7 @@ class SupervisedHost:
             threads=s.get("threads"),
             detail={"restarts": self._restarts},
             kv={str(k): int(v) for k, v in (s.get("kv") or {}).items()},
+            moves_kv=bool(s.get("moves_kv")),
         )
 
     # -- lifecycle ------------------------------------------------------------------
@@ -320,6 +322,12 @@ class SupervisedHost:
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
         return await self._live().embed(request)
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None:
+        return await self._live().export_kv(tokens, min_tokens)
+
+    async def import_kv(self, state: KvState) -> bool:
+        return await self._live().import_kv(state)
 
     def generate(self, request: GenerationRequest) -> ChunkStream:
         return self._live().generate(request)

@@ -12,12 +12,14 @@ Frames, gateway -> replica: ``hello`` (the first on a Ray actor's connection: th
 secret the gateway gave the actor, :mod:`tokenmill.replicas.rayactor`), ``prepare``,
 ``generate``, ``abort`` (by id: the one way to stop a request, answered by its final
 ``abort`` chunk), ``tokenize``, ``detokenize``, ``tokenizer_info``, ``embed_prepare``,
-``embed`` (by call id), ``ping``, ``close``. Replica -> gateway: ``ready`` / ``fatal``
-(start-up), ``prepared``, ``chunks``, ``answer`` (to a call: ``tokenize`` to
-``embed``), ``error`` (by id), ``status`` (the health snapshot, pushed when it
-changes), ``pong``, and from an engine that publishes its KV cache
+``embed``, ``kv_export``, ``kv_import`` (by call id), ``ping``, ``close``. Replica ->
+gateway: ``ready`` / ``fatal`` (start-up), ``prepared``, ``chunks``, ``answer`` (to a
+call: ``tokenize`` to ``kv_import``), ``error`` (by id), ``status`` (the health
+snapshot, pushed when it changes), ``pong``, and from an engine that publishes its KV cache
 (:mod:`tokenmill.kvblocks`): ``kv_all`` (every slot's block names, after ``ready``)
-then ``kv`` (one slot's change).
+then ``kv`` (one slot's change). A frame may carry a ``blob`` of raw bytes after its
+JSON (a sequence's KV state, moved between replicas: ``kv_export``'s answer and
+``kv_import``), its length in the JSON's ``blob``.
 """
 
 from __future__ import annotations
@@ -52,8 +54,15 @@ HEADER = struct.Struct(">I")
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:
+    """A frame; a ``blob`` of bytes (a KV state) travels raw after the JSON, which
+    says its length, not as JSON."""
+    blob = message.get("blob")
+    if isinstance(blob, bytes | bytearray):
+        message = {**message, "blob": len(blob)}
+    else:
+        blob = b""
     payload = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode()
-    return HEADER.pack(len(payload)) + payload
+    return HEADER.pack(len(payload)) + payload + blob
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
@@ -62,9 +71,12 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
         header = await reader.readexactly(HEADER.size)
         (size,) = HEADER.unpack(header)
         payload = await reader.readexactly(size)
+        message: dict[str, Any] = json.loads(payload)
+        blob = message.get("blob")
+        if isinstance(blob, int):
+            message["blob"] = await reader.readexactly(blob)
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
-    message: dict[str, Any] = json.loads(payload)
     return message
 
 
@@ -182,8 +194,16 @@ def decode_request(d: dict[str, Any]) -> GenerationRequest:
 
 def encode_cache_event(event: CacheEvent) -> dict[str, Any]:
     if isinstance(event, BlockSnapshot):
-        return {"op": "kv_all", "c": [list(names) for names in event.slots], "n": event.n_slots}
-    return {"op": "kv", "s": event.slot, "k": event.kept, "a": list(event.added)}
+        frame: dict[str, Any] = {"op": "kv_all", "c": [list(names) for names in event.slots]}
+        frame["n"] = event.n_slots
+        if event.disk:
+            frame["d"] = list(event.disk)
+        return frame
+    update: dict[str, Any] = {"op": "kv", "s": event.slot, "k": event.kept}
+    update["a"] = list(event.added)
+    if event.disk:
+        update["d"] = 1
+    return update
 
 
 def decode_cache_event(msg: dict[str, Any]) -> CacheEvent:
@@ -193,8 +213,10 @@ def decode_cache_event(msg: dict[str, Any]) -> CacheEvent:
         return BlockSnapshot(
             tuple(tuple(int(n) for n in names) for names in msg["c"]),
             None if n_slots is None else int(n_slots),
+            tuple(int(lane) for lane in msg.get("d", ())),
         )
-    return BlockUpdate(int(msg["s"]), int(msg["k"]), tuple(int(n) for n in msg["a"]))
+    added = tuple(int(n) for n in msg["a"])
+    return BlockUpdate(int(msg["s"]), int(msg["k"]), added, bool(msg.get("d")))
 
 
 def encode_usage(u: Usage | None) -> list[int] | None:

@@ -13,6 +13,8 @@ that loads the model).
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ __all__ = [
     "LlamaContext",
     "RopeScaling",
     "kv_bytes_per_token",
+    "kv_fingerprint",
 ]
 
 log = logging.getLogger("tokenmill.engines.llamacpp")
@@ -53,6 +56,32 @@ def kv_bytes_per_token(model: Any) -> int:
     head_dim = ll.llama_model_n_embd(model) // n_head
     n_head_kv = ll.llama_model_n_head_kv(model) or n_head
     return int(ll.llama_model_n_layer(model)) * 2 * int(n_head_kv) * int(head_dim) * 2
+
+
+# How much of a model file its fingerprint reads: the GGUF header, metadata and tensor
+# table, and the first weights (hashing a many-GiB file at every start would not do).
+FINGERPRINT_BYTES = 16 << 20
+
+
+def kv_fingerprint(path: Path, bytes_per_token: int, rope: RopeScaling | None) -> str:
+    """What a saved sequence state is valid for: this model file (its size and a
+    SHA-256 of its first ``FINGERPRINT_BYTES``), this llama.cpp (llama-cpp-python's
+    version pins it, and so its state format), a KV cell's size and the RoPE
+    settings (keys are stored rotated). A state saved under another is never
+    restored (:mod:`.disktier`)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return json.dumps(
+        {
+            "model": digest.hexdigest(),
+            "model_bytes": path.stat().st_size,
+            "llama_cpp_python": ll.__version__,
+            "kv_bytes_per_token": bytes_per_token,
+            "rope": None if rope is None else [rope.kind, rope.scale, rope.orig_ctx],
+        },
+        sort_keys=True,
+    )
 
 
 def mem_available() -> int | None:
@@ -296,6 +325,10 @@ class LlamaContext:
         if not done:
             ll.llama_memory_seq_rm(self._mem, slot, -1, -1)
         return done
+
+    def held(self, slot: int) -> int:
+        """How many positions slot ``slot``'s cells hold (0 when empty)."""
+        return int(ll.llama_memory_seq_pos_max(self._mem, slot)) + 1
 
     def drop(self, slot: int, start: int) -> bool:
         """Drop ``slot``'s KV cells from position ``start`` on (-1: all of them);

@@ -21,3 +21,5 @@ class Counters:
     pool_evictions: int = 0  # free slots' cached cells given up for room in the pool
     preemptions: int = 0  # running choices swapped out of a full pool
     resumes: int = 0  # swapped-out choices back in the pool
+    kv_exports: int = 0  # sequences' states handed to another replica
+    kv_imports: int = 0  # sequences' states taken from another replica

@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 from tokenmill import stages
@@ -26,6 +27,7 @@ from tokenmill.engines.base import (
     Chunk,
     EngineHealth,
     GenerationRequest,
+    KvState,
     Prepared,
     PromptInfo,
     StepSink,
@@ -36,8 +38,14 @@ from tokenmill.engines.chunks import ChunkStream
 from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.embeddings import EmbeddingInfo, EmbeddingRequest, Embeddings
 from tokenmill.engines.llamacpp.choices import Choice, build_group
-from tokenmill.engines.llamacpp.context import LlamaContext, RopeScaling, mem_available
+from tokenmill.engines.llamacpp.context import (
+    LlamaContext,
+    RopeScaling,
+    kv_fingerprint,
+    mem_available,
+)
 from tokenmill.engines.llamacpp.counters import Counters
+from tokenmill.engines.llamacpp.disktier import DiskTier, DiskWriter
 from tokenmill.engines.llamacpp.embedder import Embedder
 from tokenmill.engines.llamacpp.grammar import GrammarCache
 from tokenmill.engines.llamacpp.hosttier import HostTier
@@ -59,6 +67,8 @@ log = logging.getLogger("tokenmill.engines.llamacpp")
 # loaded, at most llama-server's --cache-ram default (8 GiB).
 HOST_TIER_MAX_DEFAULT = 8 << 30
 HOST_TIER_SHARE = 4
+# The disk tier's default size: half the free space of its file system, at most this.
+DISK_TIER_MAX_DEFAULT = 32 << 30
 
 
 def host_tier_bytes(configured: int | None, context: LlamaContext) -> int:
@@ -80,17 +90,56 @@ def host_tier_bytes(configured: int | None, context: LlamaContext) -> int:
 
 
 def _publish_parked(
-    published: CachePublisher,
-) -> Callable[[int, tuple[int, ...] | None], None]:
-    """The host tier's listener: what it parks, and what leaves it, published."""
+    published: CachePublisher, tier: str
+) -> Callable[[Hashable, tuple[int, ...] | None], None]:
+    """A tier's listener: what it parks, and what leaves it, published."""
 
-    def parked(key: int, tokens: tuple[int, ...] | None) -> None:
+    def parked(key: Hashable, tokens: tuple[int, ...] | None) -> None:
         if tokens is None:
-            published.unpark(key)
+            published.unpark((tier, key))
         else:
-            published.park(key, tokens)
+            published.park((tier, key), tokens, disk=tier == "disk")
 
     return parked
+
+
+def disk_tier(
+    engine: LlamaCppEngine, context: LlamaContext, host: int, fingerprint: str
+) -> DiskWriter | None:
+    """The disk tier (``kv_disk_dir``, ``kv_disk_bytes``), opened: its files checked,
+    stale or foreign ones deleted, the rest published; None without a directory."""
+    directory = engine.kv_disk_dir
+    if directory is None:
+        return None
+    one = context.n_ctx_seq * context.bytes_per_token
+    capacity = engine.kv_disk_bytes
+    if capacity is None:
+        capacity = max(one, min(DISK_TIER_MAX_DEFAULT, _disk_free(directory) // 2))
+    if host == 0:
+        raise EngineError(
+            "kv_disk_dir needs the host-memory tier (what it parks is written to disk): "
+            "kv_host_bytes must not be 0"
+        )
+    if capacity < one:
+        raise EngineError(
+            f"kv_disk_bytes = {capacity} cannot hold one sequence: {context.n_ctx_seq} "
+            f"tokens (n_ctx) of this model take {one} bytes. Set at least {one}"
+        )
+    tier = DiskTier(
+        directory, capacity, fingerprint, _publish_parked(engine.published_cache, "disk")
+    )
+    try:
+        tier.open()
+    except OSError as e:
+        raise EngineError(f"kv_disk_dir = {directory}: {e}") from e
+    return DiskWriter(tier)
+
+
+def _disk_free(directory: Path) -> int:
+    path = directory
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 class _Loaded:
@@ -114,8 +163,17 @@ class _Loaded:
             context.close()
             raise
         published = engine.published_cache
-        published.reset()  # every slot starts empty, and the tier
-        self.tier: HostTier[bytearray] = HostTier(capacity, listener=_publish_parked(published))
+        published.reset()  # every slot starts empty, and the tiers
+        self.tier: HostTier[bytearray] = HostTier(
+            capacity, listener=_publish_parked(published, "host")
+        )
+        # What a saved sequence state is valid for (moves between replicas, files).
+        self.fingerprint = kv_fingerprint(path, context.bytes_per_token, engine.rope)
+        try:
+            self.disk = disk_tier(engine, context, capacity, self.fingerprint)
+        except EngineError:
+            context.close()
+            raise
         self.cache: SlotCache[Choice] = SlotCache(n_slots, context.n_ctx_seq)
         self.cache.subscribe(lambda c: published.change(c.slot, c.kept, c.added))
         cv = threading.Condition()
@@ -128,7 +186,7 @@ class _Loaded:
         )
         self.loop = DecodeLoop(
             context,
-            KvSlots(context, self.cache, engine.counters, self.tier),
+            KvSlots(context, self.cache, engine.counters, self.tier, self.disk),
             cv=cv,
             post=engine._post,
             counters=engine.counters,
@@ -141,6 +199,11 @@ class _Loaded:
         self.grammars: GrammarCache | None = None
 
     def close(self) -> None:
+        # The loop has stopped: what the slots hold goes to the disk tier, whose
+        # writes end before the model is freed.
+        if self.disk is not None:
+            self.loop.kv.save_to_disk()
+            self.disk.close()
         self.embedder.close()
         self.context.close()
 
@@ -160,6 +223,8 @@ class LlamaCppEngine:
         adapt_threads: bool = True,
         kv_host_bytes: int | None = None,
         kv_pool_tokens: int | None = None,
+        kv_disk_dir: str | Path | None = None,
+        kv_disk_bytes: int | None = None,
         rope: RopeScaling | None = None,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
@@ -170,6 +235,9 @@ class LlamaCppEngine:
         # None: a default from the host's memory (see host_tier_bytes); 0: no tier.
         self.kv_host_bytes = kv_host_bytes
         self.kv_pool_tokens = kv_pool_tokens
+        # The disk tier: None, none; kv_disk_bytes None: a default from the free space.
+        self.kv_disk_dir = Path(kv_disk_dir) if kv_disk_dir else None
+        self.kv_disk_bytes = kv_disk_bytes
         self.n_threads = n_threads or available_cpus()
         # Fewer threads when the cores are shared with other busy work (see threads.py).
         self._tuner = ThreadTuner(self.n_threads) if adapt_threads else None
@@ -206,6 +274,8 @@ class LlamaCppEngine:
             adapt_threads=config.adapt_threads,
             kv_host_bytes=config.kv_host_bytes,
             kv_pool_tokens=config.kv_pool_tokens,
+            kv_disk_dir=config.kv_disk_dir,
+            kv_disk_bytes=config.kv_disk_bytes,
             rope=None
             if config.rope_scaling is None
             else RopeScaling(config.rope_scaling, config.rope_scale, config.yarn_orig_ctx),
@@ -449,6 +519,31 @@ class LlamaCppEngine:
         with contextlib.suppress(RuntimeError):  # loop closed during shutdown
             loop.call_soon_threadsafe(deliver)
 
+    # -- KV state between replicas (KvMoving) ---------------------------------------
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None:
+        loaded = self._check_started()
+        prompt = tuple(tokens)
+        future = loaded.loop.call(lambda: loaded.loop.kv.export(prompt, min_tokens))
+        found = await asyncio.wrap_future(future)
+        if found is None:
+            return None
+        held, state = found
+        self.counters.kv_exports += 1
+        return KvState(held, bytes(state), loaded.fingerprint)
+
+    async def import_kv(self, state: KvState) -> bool:
+        loaded = self._check_started()
+        if state.fingerprint != loaded.fingerprint:
+            log.warning("refused a moved KV state: it was saved for another model or llama.cpp")
+            return False
+        tokens, data = state.tokens, bytearray(state.state)
+        taken = await asyncio.wrap_future(
+            loaded.loop.call(lambda: loaded.loop.kv.take(tokens, data))
+        )
+        self.counters.kv_imports += taken
+        return taken
+
     def kv_stats(self) -> dict[str, int]:
         """The KV pool and the host tier, for ``GET /v1/deployments/{id}`` and metrics
         (see docs/operations.md); empty before the model is loaded."""
@@ -474,6 +569,27 @@ class LlamaCppEngine:
             "host_restores": stats.restores,
             "host_restored_tokens": stats.restored_tokens,
             "host_evictions": stats.evictions,
+            "exports": counters.kv_exports,
+            "imports": counters.kv_imports,
+            **self._disk_stats(loaded),
+        }
+
+    @staticmethod
+    def _disk_stats(loaded: _Loaded) -> dict[str, int]:
+        if loaded.disk is None:
+            return {}
+        disk = loaded.disk.tier
+        stats = disk.stats
+        return {
+            "disk_bytes": disk.used,
+            "disk_capacity_bytes": disk.capacity,
+            "disk_entries": len(disk.entries),
+            "disk_writes": stats.writes,
+            "disk_written_bytes": stats.written_bytes,
+            "disk_hits": stats.hits,
+            "disk_restored_tokens": stats.restored_tokens,
+            "disk_evictions": stats.evictions,
+            "disk_dropped": stats.dropped,
         }
 
     def health(self) -> EngineHealth:
@@ -492,6 +608,7 @@ class LlamaCppEngine:
             threads=self.n_threads if loaded is None else loaded.context.threads,
             detail={"stalled_s": self.stalled_s()},
             kv=self.kv_stats(),
+            moves_kv=True,
         )
 
     def stalled_s(self) -> float:

@@ -18,17 +18,28 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 from tokenmill.engines.llamacpp.choices import Choice
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
-from tokenmill.engines.llamacpp.hosttier import HostTier, covered
+from tokenmill.engines.llamacpp.disktier import DiskEntry, DiskTier, DiskWriter
+from tokenmill.engines.llamacpp.hosttier import HostTier, Parked, covered
 from tokenmill.engines.llamacpp.slotcache import SlotCache, WarmUp
-from tokenmill.engines.llamacpp.slots import common_prefix, plan_placement
+from tokenmill.engines.llamacpp.slots import KV_COPY_MIN_TOKENS, common_prefix, plan_placement
 
 __all__ = ["KvSlots"]
+
+
+def _as_is(entry: Parked[bytearray]) -> tuple[tuple[int, ...], bytearray | None]:
+    return entry.tokens, entry.state
+
+
+def _read(disk: DiskTier, file: DiskEntry) -> tuple[tuple[int, ...], bytearray | None]:
+    return file.tokens, disk.read(file)
+
 
 log = logging.getLogger("tokenmill.engines.llamacpp")
 
@@ -42,11 +53,15 @@ class KvSlots:
         cache: SlotCache[Choice],
         counters: Counters,
         tier: HostTier[bytearray] | None = None,
+        disk: DiskWriter | None = None,
     ) -> None:
         self.context = context
         self.cache = cache
         self.counters = counters  # kv_copies and warmups are counted here
         self.tier: HostTier[bytearray] = tier if tier is not None else HostTier(0)
+        # The disk tier (with the host tier on): what is parked is written there too.
+        self.writer = disk
+        self.disk: DiskTier | None = None if disk is None else disk.tier
 
     # -- the pool ------------------------------------------------------------------
 
@@ -94,6 +109,68 @@ class KvSlots:
             return
         if tier.park(held, state, len(state), now=time.monotonic()) is not None:
             self.counters.kv_copies += 1
+            if self.writer is not None and not self.writer.tier.covers(held):
+                self.writer.submit(held, state)
+
+    # -- moves between replicas ------------------------------------------------------
+
+    def export(
+        self, prompt: Sequence[int], min_tokens: int
+    ) -> tuple[tuple[int, ...], bytearray] | None:
+        """The held sequence sharing the longest prefix with ``prompt`` (at least
+        ``min_tokens``; a slot's, then a parked one's, then a disk tier file's among
+        equals), with its state, for another replica (see
+        :class:`tokenmill.engines.KvMoving`). Runs on the decode thread."""
+        Source = Callable[[], tuple[tuple[int, ...], bytearray | None]]
+        found: list[tuple[int, Source]] = []
+        for slot in self.cache.slots:
+            # A running slot's record may run ahead of its cells (a sampled token not
+            # yet decoded): what its cells hold, exactly.
+            tokens, index = tuple(slot.tokens[: self.context.held(slot.index)]), slot.index
+            if tokens:
+                found.append((common_prefix(tokens, prompt), partial(self._saved, index, tokens)))
+        for entry in list(self.tier.entries.values()):
+            if not entry.pinned:
+                found.append((common_prefix(entry.tokens, prompt), partial(_as_is, entry)))
+        disk = self.disk
+        if disk is not None:
+            for file in list(disk.entries.values()):
+                found.append((common_prefix(file.tokens, prompt), partial(_read, disk, file)))
+        common, source = max(found, key=lambda f: f[0], default=(0, None))
+        if source is None or common < min_tokens:
+            return None
+        tokens, state = source()
+        return None if state is None else (tokens, state)
+
+    def _saved(
+        self, index: int, tokens: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], bytearray | None]:
+        return tokens, self.context.save_seq(index)
+
+    def take(self, tokens: Sequence[int], state: bytearray) -> bool:
+        """Keep a sequence another replica computed as a parked one (restored when a
+        prompt continues it); True if it is held here now. Runs on the decode thread."""
+        tier = self.tier
+        if not tier.enabled or len(tokens) < KV_COPY_MIN_TOKENS:
+            return False
+        if not tier.worth_parking(tokens, [s.tokens for s in self.cache.slots]):
+            return True  # a slot or a parked sequence holds it already
+        if not tier.fits(len(state)):
+            return False
+        if tier.park(tokens, state, len(state), now=time.monotonic()) is None:
+            return False
+        if self.writer is not None and not self.writer.tier.covers(tokens):
+            self.writer.submit(tokens, state)
+        return True
+
+    def save_to_disk(self) -> None:
+        """Write what every slot holds to the disk tier (the loop has stopped: the
+        replica is closing, so its next start finds these histories too)."""
+        if self.writer is None:
+            return
+        for slot in self.cache.slots:
+            self.context.drop(slot.index, len(slot.tokens))  # only what was recorded
+            self._write(slot.index)
 
     # -- placements ------------------------------------------------------------------
 
@@ -131,16 +208,30 @@ class KvSlots:
                 len(tier.get(match.key).tokens) - held, spare=(dest,)
             ):
                 match = None
-        if match is not None:
+            # A file of the disk tier, if it holds more still (read and checked now).
+            from_disk = self._from_disk(prompt, max(offered, match.common if match else 0), dest)
+        else:
+            from_disk = None
+        restore: tuple[tuple[int, ...], bytearray, int] | None = None
+        if from_disk is not None:
+            restore, match = from_disk, None
+        elif match is not None:
             entry = tier.get(match.key)
-            keep = min(match.common, len(prompt) - 1)
-            self.park(dest, entry.tokens[:keep])
+            restore = (entry.tokens, entry.state, match.common)
+        if restore is not None:
+            tokens, state, common = restore
+            keep = min(common, len(prompt) - 1)
+            self.park(dest, tokens[:keep])
             plan = replace(plan, copy_from=None, copy_tokens=0, keep=keep)
-            if context.restore_seq(dest, entry.state):
+            if context.restore_seq(dest, state):
                 self.counters.kv_copies += 1
-                self.cache.restore(dest, entry.tokens)
-                whole = keep >= len(entry.tokens)
-                tier.restored(match.key, reused=keep, now=time.monotonic(), whole=whole)
+                self.cache.restore(dest, tokens)
+                if match is not None:
+                    whole = keep >= len(tokens)
+                    tier.restored(match.key, reused=keep, now=time.monotonic(), whole=whole)
+                elif self.disk is not None:
+                    self.disk.stats.hits += 1
+                    self.disk.stats.restored_tokens += keep
             else:
                 log.warning("llama.cpp refused a parked sequence for slot %d", dest)
                 self.cache.truncate(dest, 0)
@@ -176,6 +267,24 @@ class KvSlots:
         seq.n_past = keep
         seq.cached = keep
 
+    def _from_disk(
+        self, prompt: Sequence[int], offered: int, dest: int
+    ) -> tuple[tuple[int, ...], bytearray, int] | None:
+        """The disk tier's file sharing the most of ``prompt`` beyond ``offered``
+        tokens, read and checked, with room made for it: (tokens, state, common)."""
+        disk = self.disk
+        if disk is None:
+            return None
+        found = disk.match(prompt, better_than=offered)
+        if found is None:
+            return None
+        entry, common = found
+        held = len(self.cache.slots[dest].tokens)
+        if not self.make_room(len(entry.tokens) - held, spare=(dest,)):
+            return None
+        state = disk.read(entry)  # None: it did not check out (deleted, logged)
+        return None if state is None else (entry.tokens, state, common)
+
     def share(self, src: int, dst: int) -> None:
         """Slot ``dst`` takes a copy of slot ``src``'s cells (a follower of ``n``
         starting from its leader's prompt)."""
@@ -190,6 +299,19 @@ class KvSlots:
         sampled one never was) as its cache, and free the slot."""
         self.context.drop(index, len(self.cache.slots[index].tokens))
         self.cache.release(index, now=time.monotonic())
+        self._write(index)
+
+    def _write(self, index: int) -> None:
+        """With a disk tier, what slot ``index`` now holds goes to disk too (a copy of
+        its cells now, written by the writer's thread), so that a crash loses no
+        finished turn's history; skipped when a file already holds it."""
+        writer = self.writer
+        tokens = self.cache.slots[index].tokens
+        if writer is None or len(tokens) < KV_COPY_MIN_TOKENS or writer.tier.covers(tokens):
+            return
+        state = self.context.save_seq(index)
+        if state is not None:
+            writer.submit(tokens, state)
 
     def warm(self, warm: WarmUp) -> None:
         """Decode ``warm.tokens`` into its free slot after the cached ones.

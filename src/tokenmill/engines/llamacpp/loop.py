@@ -24,8 +24,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import llama_cpp as ll
 
@@ -43,6 +45,8 @@ from tokenmill.engines.llamacpp.sampling import build_sampler
 from tokenmill.engines.llamacpp.threads import ThreadTuner
 from tokenmill.engines.logprobs import finite
 from tokenmill.errors import EngineError
+
+T = TypeVar("T")
 
 __all__ = ["PREFILL_CHUNK", "WARM_AFTER_S", "DecodeLoop"]
 
@@ -106,6 +110,8 @@ class DecodeLoop:
         self.swapped: dict[str, Choice] = {}
         self._stop = False
         self.failed: BaseException | None = None
+        # Work for the decode thread between two steps (see call()); guarded by cv.
+        self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
 
     @property
     def waiting(self) -> int:
@@ -132,6 +138,28 @@ class DecodeLoop:
             self._stop = True
             self.cv.notify()
 
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the decode thread between two steps (it may touch the context
+        and the slots); its result, or its exception, in the future."""
+        future: Future[T] = Future()
+        with self.cv:
+            if self.failed is not None or self._stop:
+                future.set_exception(EngineError("the engine is not running"))
+                return future
+            self._jobs.append((fn, future))
+            self.cv.notify()
+        return future
+
+    def _run_jobs(self) -> None:
+        with self.cv:
+            jobs, self._jobs = self._jobs, deque()
+        for fn, future in jobs:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:
+                    future.set_exception(e)
+
     # -- the decode thread -------------------------------------------------------------
 
     def run(self) -> None:
@@ -145,6 +173,7 @@ class DecodeLoop:
                         and not requests.waiting
                         and not self.running
                         and not self.swapped
+                        and not self._jobs
                         and not (embedder and embedder.jobs)
                     ):
                         self._aborts.clear()
@@ -158,6 +187,8 @@ class DecodeLoop:
                 if warm is not None:
                     self.kv.warm(warm)
                     continue
+                if self._jobs:
+                    self._run_jobs()
                 if self.swapped:
                     self._resume()
                 with cv:
@@ -201,6 +232,11 @@ class DecodeLoop:
                 self._post(failed)
             if embedder is not None:
                 embedder.fail_all(EngineError("the engine is shutting down"))
+            with cv:
+                jobs, self._jobs = self._jobs, deque()
+            for _, future in jobs:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(EngineError("the engine is shutting down"))
 
     def _admit_locked(self) -> list[Choice]:
         """Requests, first come first served, while all of a request's choices fit

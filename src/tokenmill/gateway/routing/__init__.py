@@ -59,6 +59,12 @@ class ReplicaView:
     decode_s: float | None = None
     generated: float | None = None
     last_used: float = 0.0  # monotonic time it last took or ended a request
+    # Whether its KV state can be moved to and from the deployment's other replicas
+    # (an engine that exports and imports sequences, tokenmill.engines.KvMoving), and
+    # the measured seconds a moved token costs (export, transfer, import; None until
+    # measured).
+    movable: bool = False
+    move_s: float | None = None
 
     @property
     def free(self) -> int:
@@ -86,8 +92,15 @@ class Decision:
     # Whether the prompt continues a sequence the chosen replica holds whole (see
     # ReplicaView.continues); None for a policy that does not look.
     continues: bool | None = None
-    # Where the chosen replica holds the cached tokens (ReplicaView.cached_tier).
+    # Where the chosen replica holds the cached tokens (ReplicaView.cached_tier); with
+    # ``move_from``, where that replica holds them.
     tier: Tier | None = None
+    # The replica whose cached state of the prompt the chosen one fetches before it
+    # computes the rest (cache_aware only; None: nothing moves).
+    move_from: int | None = None
+    # How that move went, once the deployment carried it out (tokenmill.gateway.moves:
+    # "moved", "missing", "refused" or "failed"; None: none was tried).
+    moved: str | None = None
 
 
 class RoutingPolicy(Protocol):

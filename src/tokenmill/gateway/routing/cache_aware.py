@@ -48,6 +48,16 @@ fraction of an answer for its home rather than recomputing its whole history on 
 replica with room, unless the wait is the longer (a long answer to come, a deep
 queue), or load is badly imbalanced (below).
 
+**State moves when that beats computing it.** A replica that holds more of the
+prompt than the one scored (``movable`` both, at least :data:`MOVE_MIN_TOKENS` more)
+can send it: the score of that option counts the moved tokens at the measured
+``move_s`` a token (:data:`MOVE_S` before any move is measured: export, transfer
+through the gateway, import) plus :data:`RESTORE_S`, instead of computing them. Each
+candidate is scored with its better option; choosing a move sets the decision's
+``move_from`` (the deployment fetches the state before it dispatches, and computes
+the prompt if the move fails). So when its home is busy, a conversation goes where
+there is room and takes its history with it.
+
 Two exceptions, in this order:
 
 * **Load wins when badly imbalanced** (SGLang's rule, in slots): when the chosen
@@ -67,6 +77,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tokenmill.gateway.routing import (
     Decision,
@@ -85,6 +96,16 @@ DECODE_S = 2e-2
 # Seconds to restore a parked token's KV state into a slot (llama_state_seq_set_data):
 # 180 tokens of SmolLM2-135M in 0.7 ms, measured here.
 RESTORE_S = 4e-6
+# Seconds to read a token's KV state from a disk tier file, check it and restore it:
+# 23 KB a token of SmolLM2-135M (page cache, SHA-256), about 20 us.
+READ_S = 2e-5
+# Seconds a token's KV state takes to move between replicas (export, the gateway's
+# two hops, import) before one move is measured: SmolLM2-135M's 23 KB a token at
+# about 0.5 GB/s.
+MOVE_S = 5e-5
+# The least a move must bring beyond what the target holds: below it, the round trips
+# are not worth it.
+MOVE_MIN_TOKENS = 128
 # Tokens a stream is assumed to generate when neither the request (max_tokens) nor
 # the deployment's measured streams say.
 HORIZON = 64
@@ -95,6 +116,10 @@ IMBALANCE = 0.5
 # Sessions remembered for affinity, the least recently routed forgotten first (an
 # entry is ~150 bytes: 10k sessions cost ~1.5 MB a deployment).
 SESSIONS_KEPT = 10_000
+
+
+# What a cached token costs before the rest of the prompt is computed, by its tier.
+_LOAD_S = {"slot": 0.0, "host": RESTORE_S, "disk": READ_S}
 
 
 class CacheAware:
@@ -114,19 +139,36 @@ class CacheAware:
             horizon = min(horizon, query.max_tokens)
         new_sequence = not any(r.continues for r in pool)
 
-        def score_s(r: ReplicaView) -> float:
+        donors = sorted(
+            (r for r in replicas if r.serving and r.movable and r.cached_tokens),
+            key=lambda r: -r.cached_tokens,
+        )
+
+        def option(r: ReplicaView) -> _Option:
             p, d = r.prefill_s or prefill, r.decode_s or decode
-            uncached = max(query.prompt_tokens - r.cached_tokens, 0)
-            restore = r.cached_tokens * RESTORE_S if r.cached_tier == "host" else 0.0
-            ttft = (uncached + r.in_flight) * p + restore + (d / 2 if r.in_flight else 0.0)
             queued = r.in_flight + query.weight - r.slots  # slots that must free first
             wait = queued * horizon * d / (r.slots + 1) if queued > 0 else 0.0
-            return ttft + wait + (r.in_flight * d * horizon / 2 if new_sequence else 0.0)
+            rest = wait + (r.in_flight * d * horizon / 2 if new_sequence else 0.0)
+            busy = r.in_flight * p + (d / 2 if r.in_flight else 0.0)
 
-        scores = {r.index: score_s(r) for r in pool}
-        best = min(pool, key=lambda r: (scores[r.index], r.in_flight, r.last_used))
+            def ttft(cached: int, load_s: float) -> float:
+                return max(query.prompt_tokens - cached, 0) * p + load_s + busy
+
+            load = r.cached_tokens * _LOAD_S.get(r.cached_tier or "slot", 0.0)
+            own = _Option(r, ttft(r.cached_tokens, load) + rest)
+            if not r.movable:
+                return own
+            donor = next((x for x in donors if x.index != r.index), None)
+            if donor is None or donor.cached_tokens < r.cached_tokens + MOVE_MIN_TOKENS:
+                return own
+            n = donor.cached_tokens
+            moved = ttft(n, n * ((donor.move_s or MOVE_S) + RESTORE_S)) + rest
+            return own if own.score_s <= moved else _Option(r, moved, donor)
+
+        options = {r.index: option(r) for r in pool}
+        best = min(pool, key=lambda r: (options[r.index].score_s, r.in_flight, r.last_used))
         least = min(pool, key=lambda r: (r.in_flight, r.last_used))
-        reason: Reason = "cache" if best.cached_tokens else "load"
+        reason: Reason = "cache" if options[best.index].cached_tokens else "load"
         if _imbalanced(best, least):
             best, reason = least, "imbalance"
         elif not any(r.cached_tokens for r in pool) and query.session is not None:
@@ -139,14 +181,35 @@ class CacheAware:
             self._sessions.move_to_end(query.session)
             if len(self._sessions) > SESSIONS_KEPT:
                 self._sessions.popitem(last=False)
+        chosen = options[best.index]
         return Decision(
             best.index,
             reason,
-            best.cached_tokens,
-            scores[best.index],
-            best.continues,
-            best.cached_tier,
+            chosen.cached_tokens,
+            chosen.score_s,
+            chosen.via.continues,
+            chosen.via.cached_tier,
+            None if chosen.donor is None else chosen.donor.index,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    """Serving a request on ``target``: its score, and the donor whose state moves
+    there first (None: with what ``target`` holds)."""
+
+    target: ReplicaView
+    score_s: float
+    donor: ReplicaView | None = None
+
+    @property
+    def via(self) -> ReplicaView:
+        """The replica whose cache the request uses."""
+        return self.donor or self.target
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.via.cached_tokens
 
 
 def _imbalanced(chosen: ReplicaView, least: ReplicaView) -> bool:

@@ -1,0 +1,96 @@
+"""KV state moved between a deployment's replicas, as routing decided.
+
+When ``cache_aware`` sends a request to a replica other than the one holding the
+most of its prompt, and moving that state costs less than computing it, the
+decision names the donor (:attr:`~tokenmill.gateway.routing.Decision.move_from`).
+:class:`KvMoves` carries it out before the request is dispatched: the donor exports
+the sequence (from a slot, its host-memory tier or its disk tier), the target
+imports it as a parked sequence, and the target's placement then restores it for
+the request, computing only the rest. Both hops go through the gateway's replica
+connections (a process replica's socket, a Ray actor's), the state as a raw blob.
+
+A move never fails a request: a donor that no longer holds the prefix, a target that
+refuses the state (no room, another model), an error or a move slower than its
+budget (the time computing the moved tokens would take) leaves the target to compute
+the prompt, as without a move. The measured seconds a moved token costs feed the
+next decisions (:attr:`~tokenmill.gateway.routing.ReplicaView.move_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tokenmill.replicas import ReplicaHost
+
+__all__ = ["MOVE_BUDGET_MIN_S", "KvMoves", "MoveOutcome"]
+
+log = logging.getLogger("tokenmill.gateway")
+
+# The least a move may take before it is given up, whatever computing would cost.
+MOVE_BUDGET_MIN_S = 0.5
+# Weight of the newest move in the measured seconds a token (a moving average).
+ALPHA = 0.2
+
+# moved: the target holds the state; missing: the donor no longer held the prefix;
+# refused: the target did not take it; failed: an error or past the budget.
+MoveOutcome = Literal["moved", "missing", "refused", "failed"]
+
+
+@dataclass
+class KvMoves:
+    """A deployment's moves: what they did, and their measured cost a token."""
+
+    outcomes: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("moved", "missing", "refused", "failed"), 0)
+    )
+    bytes_moved: int = 0
+    tokens_moved: int = 0
+    move_s: float | None = None  # measured seconds a moved token (None: none yet)
+
+    async def move(
+        self,
+        donor: ReplicaHost,
+        target: ReplicaHost,
+        prompt: Sequence[int],
+        *,
+        min_tokens: int,
+        budget_s: float,
+    ) -> MoveOutcome:
+        """Move the donor's state of ``prompt``'s longest held prefix (at least
+        ``min_tokens``) to ``target``, within ``budget_s`` (at least
+        :data:`MOVE_BUDGET_MIN_S`)."""
+        started = time.monotonic()
+        outcome: MoveOutcome
+        size = n = 0
+        try:
+            async with asyncio.timeout(max(budget_s, MOVE_BUDGET_MIN_S)):
+                state = await donor.export_kv(prompt, min_tokens)
+                if state is None:
+                    outcome = "missing"
+                else:
+                    size, n = len(state.state), len(state.tokens)
+                    outcome = "moved" if await target.import_kv(state) else "refused"
+        except Exception as e:  # (TimeoutError included) the target computes it
+            log.warning("moving a KV state between replicas failed (%s): computed instead", e)
+            outcome = "failed"
+        self.outcomes[outcome] += 1
+        if outcome == "moved":
+            self.bytes_moved += size
+            self.tokens_moved += n
+            per_token = (time.monotonic() - started) / max(n, 1)
+            last = self.move_s
+            self.move_s = per_token if last is None else last + ALPHA * (per_token - last)
+        return outcome
+
+    def describe(self) -> dict[str, object]:
+        return {
+            **self.outcomes,
+            "bytes": self.bytes_moved,
+            "tokens": self.tokens_moved,
+            "us_per_token": None if self.move_s is None else round(self.move_s * 1e6, 2),
+        }

@@ -1,0 +1,87 @@
+"""Carrying out routing's moves (tokenmill.gateway.moves) with hosts a test scripts:
+whatever goes wrong, the outcome says so and nothing is raised (the target then
+computes the prompt); only a completed move counts bytes and measures its cost."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, cast
+
+import pytest
+
+from tokenmill.engines import KvState
+from tokenmill.gateway.moves import KvMoves
+from tokenmill.replicas import ReplicaHost
+
+STATE = KvState(tuple(range(200)), b"\x01" * 4000, "fp")
+
+
+class Host:
+    """The two calls a move makes, scripted."""
+
+    def __init__(self, export: Any = STATE, take: bool = True, delay: float = 0.0) -> None:
+        self.export, self.take, self.delay = export, take, delay
+        self.imported: list[KvState] = []
+        self.asked: list[tuple[tuple[int, ...], int]] = []
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None:
+        self.asked.append((tuple(tokens), min_tokens))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if isinstance(self.export, Exception):
+            raise self.export
+        return cast(KvState | None, self.export)
+
+    async def import_kv(self, state: KvState) -> bool:
+        self.imported.append(state)
+        return self.take
+
+
+def host(h: Host) -> ReplicaHost:
+    return cast(ReplicaHost, h)
+
+
+async def test_a_move_hands_the_donors_state_to_the_target() -> None:
+    moves, donor, target = KvMoves(), Host(), Host()
+    prompt = list(range(250))
+    assert (
+        await moves.move(host(donor), host(target), prompt, min_tokens=128, budget_s=5) == "moved"
+    )
+    assert donor.asked == [(tuple(prompt), 128)] and target.imported == [STATE]
+    assert (moves.outcomes["moved"], moves.bytes_moved, moves.tokens_moved) == (1, 4000, 200)
+    assert moves.move_s is not None and moves.move_s > 0
+    assert moves.describe()["bytes"] == 4000
+
+
+@pytest.mark.parametrize(
+    ("donor", "target", "outcome"),
+    [
+        (Host(export=None), Host(), "missing"),  # the donor no longer holds it
+        (Host(), Host(take=False), "refused"),  # no room, or another model
+        (Host(export=ConnectionError("replica gone")), Host(), "failed"),
+    ],
+)
+async def test_a_move_that_does_not_happen_says_why(
+    donor: Host, target: Host, outcome: str
+) -> None:
+    moves = KvMoves()
+    got = await moves.move(host(donor), host(target), [1, 2, 3], min_tokens=1, budget_s=5)
+    assert got == outcome
+    assert moves.outcomes[outcome] == 1 and moves.bytes_moved == 0 and moves.move_s is None
+
+
+async def test_a_move_slower_than_computing_is_given_up() -> None:
+    # The budget is what computing the moved tokens would take (at least 0.5 s): a
+    # donor that has not answered by then loses to computing. (Its answer never
+    # comes: this is ordered by the event, not timed against the machine.)
+    never = asyncio.Event()
+
+    class Stuck(Host):
+        async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None:
+            await never.wait()
+            return STATE
+
+    moves, target = KvMoves(), Host()
+    got = await moves.move(host(Stuck()), host(target), [1], min_tokens=1, budget_s=0.0)
+    assert got == "failed" and target.imported == []
