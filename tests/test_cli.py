@@ -1,4 +1,5 @@
-"""``tokenmill serve``'s KV flags (``--n-ctx``, ``--max-num-seqs``, ``--kv-host-bytes``),
+"""``tokenmill serve``'s KV flags (``--n-ctx``, ``--max-num-seqs``, ``--kv-host-bytes``,
+``--kv-disk-dir``),
 through a real server started as a subprocess."""
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ def replica(srv: ServerProcess) -> dict[str, Any]:
     return dict(rep)
 
 
-def test_kv_flags_size_the_one_model(start_server: Callable[..., ServerProcess]) -> None:
+def test_kv_flags_size_the_one_model(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
     flags = ["--n-ctx", "4096", "--max-num-seqs", "4", "--kv-host-bytes", str(HOST_BYTES)]
-    srv = start_server(args=flags)
+    srv = start_server(args=[*flags, "--kv-disk-dir", str(tmp_path / "kv")])
     rep = wait_until(lambda: (rep := replica(srv)).get("kv") and rep, "the replica's kv stats")
     assert rep["slots"] == 4
     assert rep["kv"]["n_ctx"] == 4096
     assert rep["kv"]["host_capacity_bytes"] == HOST_BYTES
+    assert rep["kv"]["disk_capacity_bytes"] > 0 and (tmp_path / "kv" / "replica-0").is_dir()
     # A request may use the whole 4,096 tokens, and not one more.
     body = {"prompt": "Hi", "max_tokens": 4096}
     r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=HANG_S)
@@ -78,5 +82,5 @@ def test_bad_kv_flags_exit_naming_the_flag(tmp_path: Path) -> None:
     config.write_text('[[deployments]]\nid = "a"\n')
     out = serve("--config", str(config), "--n-ctx", "4096", "--data-dir", str(tmp_path / "data"))
     assert out.returncode == 2
-    assert "--n-ctx, --max-num-seqs and --kv-host-bytes size the one model" in out.stderr
+    assert "--kv-host-bytes and --kv-disk-dir size the one model" in out.stderr
     assert "Traceback" not in out.stderr

@@ -32,10 +32,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "ray_address": getattr(args, "ray_address", None),
     }
     settings = load_settings(args.config, overrides)
-    # The one model's KV knobs (--n-ctx, --max-num-seqs, --kv-host-bytes).
+    # The one model's KV knobs (--n-ctx, --max-num-seqs, --kv-host-bytes, --kv-disk-dir).
     sizes = {
         key: value
-        for key in ("n_ctx", "max_num_seqs", "kv_host_bytes")
+        for key in ("n_ctx", "max_num_seqs", "kv_host_bytes", "kv_disk_dir")
         if (value := getattr(args, key, None)) is not None
     }
     if args.model is not None:
@@ -47,8 +47,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         settings = settings.model_copy(update={"deployments": [dep]})
     elif sizes and settings.deployments:
         raise ConfigError(
-            "--n-ctx, --max-num-seqs and --kv-host-bytes size the one model of the command "
-            "line; with --config set them in its [[deployments]] tables"
+            "--n-ctx, --max-num-seqs, --kv-host-bytes and --kv-disk-dir size the one model "
+            "of the command line; with --config set them in its [[deployments]] tables"
         )
     settings = settings.with_default_deployment()
     if sizes:
@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="host memory for parked KV sequences, in bytes (default: a quarter of the "
         "memory available, at most 8 GiB; 0: none)",
+    )
+    serve.add_argument(
+        "--kv-disk-dir",
+        type=Path,
+        help="a directory where parked KV sequences are also written, so that a replica "
+        "restarted or killed finds them again (default: none)",
     )
     serve.add_argument("--log-level", default=None, help="debug, info, warning")
     serve.add_argument(

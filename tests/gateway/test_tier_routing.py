@@ -55,10 +55,10 @@ kv_host_bytes = 67108864
 
 
 def complete(
-    gw: ServerProcess, prompt: str, max_tokens: int = 8
+    gw: ServerProcess, prompt: str, max_tokens: int = 8, model: str = "notes"
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """One completion: the response and its log line."""
-    body = {"model": "notes", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     r = httpx.post(f"{gw.url}/v1/completions", json=body, timeout=HANG_S)
     assert r.status_code == 200, r.text
     line = wait_until(partial(gw.request_line, r.headers["x-request-id"]), "the log line")
@@ -109,14 +109,20 @@ def test_a_busy_homes_history_moves_with_the_next_turn(gw: ServerProcess) -> Non
     conversation's document, which parked the conversation there); the next turn goes
     to the other replica, and its history moves with it instead of being computed
     again: the route says from where, and the answer reports it cached."""
+    busy_home_moves(gw, "notes")
+
+
+def busy_home_moves(gw: ServerProcess, model: str) -> None:
+    """The scenario above, on deployment ``model`` of 2 replicas of one slot each
+    (process replicas here; Ray actors in tests/replicas/test_ray.py)."""
     doc = (
         "Notes for a museum guide. The salt roads of the Sahara and the caravans "
         "that crossed them, in three paragraphs. "
     ) * 6
     opening = doc + "Question: who led the caravans? Answer:"
-    first, line = complete(gw, opening, max_tokens=48)
+    first, line = complete(gw, opening, max_tokens=48, model=model)
     home = line["route"]["replica"]
-    story = {"model": "notes", "prompt": doc + "Now a long story about it:", "stream": True}
+    story = {"model": model, "prompt": doc + "Now a long story about it:", "stream": True}
     story |= {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
     with (
         httpx.Client(base_url=gw.url, timeout=HANG_S) as c,
@@ -125,7 +131,7 @@ def test_a_busy_homes_history_moves_with_the_next_turn(gw: ServerProcess) -> Non
         stream = events(running)  # one iterator: dropping it closes the stream
         assert isinstance(next(stream), dict)  # the story runs
         following = opening + first["choices"][0]["text"] + " And then"
-        body, line = complete(gw, following)
+        body, line = complete(gw, following, model=model)
         story_id = running.headers["x-request-id"]
     # (The story's line is logged once it ended: the client left.)
     story_line = wait_until(partial(gw.request_line, story_id), "the story's log line")
@@ -135,12 +141,12 @@ def test_a_busy_homes_history_moves_with_the_next_turn(gw: ServerProcess) -> Non
     assert (route["moved_from"], route["moved"], route["continues"]) == (home, "moved", True)
     prompt_before = first["usage"]["prompt_tokens"]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_before, body
-    dep = httpx.get(f"{gw.url}/v1/deployments/notes", timeout=HANG_S).json()
+    dep = httpx.get(f"{gw.url}/v1/deployments/{model}", timeout=HANG_S).json()
     assert dep["kv_moves"]["moved"] >= 1 and dep["kv_moves"]["bytes"] > 0, dep["kv_moves"]
     metrics = httpx.get(f"{gw.url}/metrics", timeout=HANG_S).text
     moved = [
         float(m.rsplit(" ", 1)[1])
         for m in metrics.splitlines()
-        if m.startswith('tokenmill_kv_moved_bytes_total{deployment="notes"}')
+        if m.startswith(f'tokenmill_kv_moved_bytes_total{{deployment="{model}"}}')
     ]
     assert moved == [dep["kv_moves"]["bytes"]], metrics

@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import RayCluster, ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
+from tests.gateway.test_tier_routing import busy_home_moves
 from tests.sse import DONE, events, text, to_done
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import ReplicatedDeployment
@@ -241,6 +242,20 @@ def test_the_real_model_on_a_second_node_streams_what_a_process_replica_does(
     finally:
         if node_b in ray_cluster.node_ids():
             ray_cluster.remove_node(node_b)
+
+
+def test_a_busy_homes_history_moves_between_ray_actors(
+    ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    # Two Ray actors of one slot each: a continuation whose home is busy goes to the
+    # other actor, its KV state exported by one actor and imported by the other over
+    # their gateway connections.
+    config = (
+        f"ray_address = {ray_cluster.address!r}\n"
+        '[[deployments]]\nid = "moves"\nplacement = "ray"\nreplicas = 2\n'
+        "max_num_seqs = 1\nn_ctx = 1024\nn_threads = 1\nray_num_cpus = 0.5\n"
+    )
+    busy_home_moves(start_server(config=config), "moves")
 
 
 def run_on_ray(cluster: RayCluster, scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
