@@ -10,8 +10,12 @@ from typing import Any, cast
 
 import pytest
 
-from tokenmill.engines import KvState
+from tests.waiting import wait_until_async
+from tokenmill.config import LlamaCppDeployment
+from tokenmill.engines import EngineHealth, KvState
+from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.moves import KvMoves
+from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, RoutingName
 from tokenmill.replicas import ReplicaHost
 
 STATE = KvState(tuple(range(200)), b"\x01" * 4000, "fp")
@@ -85,3 +89,79 @@ async def test_a_move_slower_than_computing_is_given_up() -> None:
     moves, target = KvMoves(), Host()
     got = await moves.move(host(Stuck()), host(target), [1], min_tokens=1, budget_s=0.0)
     assert got == "failed" and target.imported == []
+
+
+class Hosted(Host):
+    """A ready replica as a Deployment drives it: enough of ReplicaHost for place()."""
+
+    kind = "local"
+    state = "ready"
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.cancelled: list[str] = []
+
+    def on_change(self, callback: Any) -> None: ...
+
+    def on_cache(self, callback: Any) -> None: ...
+
+    def on_status(self, callback: Any) -> None: ...
+
+    async def reserve(self, request_id: str, weight: int) -> None: ...
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(ready=True, slots=1, running=0, moves_kv=True)
+
+
+class MoveFrom0:
+    """A routing policy that always sends to replica 1 with replica 0's ``cached``
+    tokens (the move's budget: what computing them would take)."""
+
+    name: RoutingName = "cache_aware"
+
+    def __init__(self, cached: int) -> None:
+        self.cached = cached
+
+    def choose(self, replicas: Sequence[ReplicaView], query: RouteQuery) -> Decision:
+        return Decision(1, "cache", self.cached, 0.1, True, "host", move_from=0)
+
+
+def deployment(donor: Hosted, target: Hosted, cached: int = 256) -> Deployment:
+    config = LlamaCppDeployment(id="d", replicas=2, max_num_seqs=1)
+    dep = Deployment(config, [host(donor), host(target)])
+    dep.routing = MoveFrom0(cached)
+    return dep
+
+
+async def test_the_deployment_moves_before_it_returns_the_replica() -> None:
+    donor, target = Hosted(), Hosted()
+    dep = deployment(donor, target)
+    replica, decision = await dep.place("r1", RouteQuery(300), list(range(300)))
+    assert (replica.index, decision.move_from, decision.moved) == (1, 0, "moved")
+    assert target.imported == [STATE] and replica.in_flight == 1
+    assert dep.moves.describe()["moved"] == 1
+
+
+async def test_a_request_given_up_during_its_move_holds_nothing() -> None:
+    never = asyncio.Event()
+
+    class Slow(Hosted):
+        async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None:
+            self.asked.append((tuple(tokens), min_tokens))
+            await never.wait()
+            return STATE
+
+    donor, target = Slow(), Hosted()
+    # 10M tokens to move: a budget of hours, so only the cancel ends the move.
+    dep = deployment(donor, target, cached=10_000_000)
+    placing = asyncio.create_task(dep.place("r1", RouteQuery(300), list(range(300))))
+    await wait_until_async(lambda: donor.asked or None, "the move to start")
+    placing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await placing
+    # Its slot is free again, and the replica told to forget the request.
+    assert [r.in_flight for r in dep.replicas] == [0, 0]
+    assert target.cancelled == ["r1"]

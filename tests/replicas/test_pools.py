@@ -235,3 +235,43 @@ def test_a_conversation_alternating_between_two_gateways_finds_its_cache(
     # Every later turn continued the sequence one replica held, always the same one.
     assert all(r["reason"] == "cache" and r["continues"] for r in routes[1:]), routes
     assert len({r["replica"] for r in routes}) == 1, routes
+
+
+def test_both_gateways_of_a_pool_see_what_its_replicas_parked(
+    pool: str, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    # The real model, two replicas of one slot in the pool. Four conversations open
+    # through gateway A, so at least one of the first two is parked in its replica's
+    # host memory (a slot per replica). Each next turn of those two, through gateway B,
+    # goes back to the replica holding it, from its slot or its host tier as B's own
+    # index says, and finds it whole: both gateways index what the pool's replicas
+    # publish, host-memory lanes included.
+    config = (
+        f"ray_address = {ray_cluster.address!r}\n"
+        f'[[deployments]]\nid = "smollm2"\nplacement = "ray"\npool = "{pool}"\n'
+        "replicas = 2\nmax_num_seqs = 1\nn_ctx = 512\nn_threads = 1\nray_num_cpus = 0.25\n"
+        f"kv_host_bytes = {64 << 20}\n"
+    )
+    a, b = start_server(config=config), start_server(config=config)
+    topics = ["lighthouses", "glaciers", "beekeeping", "violins"]
+
+    def turn(srv: ServerProcess, prompt: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        request = {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/completions", json=request, timeout=HANG_S)
+        assert r.status_code == 200, r.text
+        line = wait_until(partial(srv.request_line, r.headers["x-request-id"]), "the log line")
+        return r.json(), line["route"]
+
+    openings = {t: f"Notes for a museum guide about {t}, in three paragraphs. " * 4 for t in topics}
+    first = {t: turn(a, openings[t]) for t in topics}
+    tiers = []
+    for t in topics[:2]:
+        body, home = first[t]
+        following = openings[t] + body["choices"][0]["text"] + " The next paragraph says"
+        again, route = turn(b, following)
+        assert route["replica"] == home["replica"], (t, route, home)
+        assert (route["reason"], route["continues"]) == ("cache", True), route
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= body["usage"]["prompt_tokens"], (t, again["usage"])
+        tiers.append(route["tier"])
+    assert "host" in tiers and set(tiers) <= {"slot", "host"}, tiers

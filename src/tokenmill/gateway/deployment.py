@@ -293,7 +293,12 @@ class Deployment:
                 self.release(replica, weight)
                 raise
             if decision.move_from is not None:
-                decision = await self._move(decision, replica, prompt)
+                try:
+                    decision = await self._move(decision, replica, prompt)
+                except BaseException:  # the caller gave up meanwhile: nothing is held
+                    replica.host.cancel(request_id)  # a pool's replica holds its slots
+                    self.release(replica, weight)
+                    raise
             return replica, decision
 
     async def _move(self, decision: Decision, target: Replica, prompt: Sequence[int]) -> Decision:
