@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tokenmill.engines.llamacpp.hosttier import covered
-from tokenmill.engines.llamacpp.slots import KV_COPY_MIN_TOKENS, common_prefix
+from tokenmill.engines.llamacpp.hosttier import covered, longest_prefix
+from tokenmill.engines.llamacpp.slots import KV_COPY_MIN_TOKENS
 
 __all__ = ["DiskEntry", "DiskStats", "DiskTier", "DiskWriter"]
 
@@ -137,14 +137,7 @@ class DiskTier:
         tier offers), with how many tokens it shares."""
         with self._lock:
             entries = list(self.entries.values())
-        best: tuple[DiskEntry, int] | None = None
-        for entry in reversed(entries):
-            common = common_prefix(entry.tokens, prompt)
-            if best is None or common > best[1]:
-                best = (entry, common)
-        if best is None or best[1] < better_than + KV_COPY_MIN_TOKENS:
-            return None
-        return best
+        return longest_prefix(((e, e.tokens) for e in reversed(entries)), prompt, better_than)
 
     def read(self, entry: DiskEntry) -> bytearray | None:
         """``entry``'s state, checked; None (and the file deleted) if it is gone or

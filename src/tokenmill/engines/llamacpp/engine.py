@@ -71,21 +71,27 @@ HOST_TIER_SHARE = 4
 DISK_TIER_MAX_DEFAULT = 32 << 30
 
 
+def holds_one(key: str, value: int, context: LlamaContext, advice: str = "") -> None:
+    """A tier's bound ``key = value`` must hold one whole sequence (``n_ctx`` tokens of
+    the model's cells): an EngineError naming the key otherwise."""
+    one = context.n_ctx_seq * context.bytes_per_token
+    if value < one:
+        raise EngineError(
+            f"{key} = {value} cannot hold one sequence: {context.n_ctx_seq} tokens (n_ctx) "
+            f"of this model take {one} bytes. Set at least {one}{advice}"
+        )
+
+
 def host_tier_bytes(configured: int | None, context: LlamaContext) -> int:
     """The host tier's capacity: ``configured`` (``kv_host_bytes``; None: the default,
     0: off), checked to hold one whole sequence, whose bytes it must be able to park;
     an EngineError naming the key otherwise. A default too small for one is 0 (off)."""
-    one = context.n_ctx_seq * context.bytes_per_token
     if configured is None:
         available = mem_available() or 0
         default = min(HOST_TIER_MAX_DEFAULT, available // HOST_TIER_SHARE)
-        return default if default >= one else 0
-    if 0 < configured < one:
-        raise EngineError(
-            f"kv_host_bytes = {configured} cannot hold one sequence: {context.n_ctx_seq} "
-            f"tokens (n_ctx) of this model take {one} bytes. Set at least {one}, or 0 "
-            "to turn the host-memory tier off"
-        )
+        return default if default >= context.n_ctx_seq * context.bytes_per_token else 0
+    if configured:
+        holds_one("kv_host_bytes", configured, context, ", or 0 to turn the host-memory tier off")
     return configured
 
 
@@ -111,20 +117,16 @@ def disk_tier(
     directory = engine.kv_disk_dir
     if directory is None:
         return None
-    one = context.n_ctx_seq * context.bytes_per_token
     capacity = engine.kv_disk_bytes
     if capacity is None:
+        one = context.n_ctx_seq * context.bytes_per_token
         capacity = max(one, min(DISK_TIER_MAX_DEFAULT, _disk_free(directory) // 2))
     if host == 0:
         raise EngineError(
             "kv_disk_dir needs the host-memory tier (what it parks is written to disk): "
             "kv_host_bytes must not be 0"
         )
-    if capacity < one:
-        raise EngineError(
-            f"kv_disk_bytes = {capacity} cannot hold one sequence: {context.n_ctx_seq} "
-            f"tokens (n_ctx) of this model take {one} bytes. Set at least {one}"
-        )
+    holds_one("kv_disk_bytes", capacity, context)
     tier = DiskTier(
         directory, capacity, fingerprint, _publish_parked(engine.published_cache, "disk")
     )

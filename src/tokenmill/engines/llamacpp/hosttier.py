@@ -44,9 +44,10 @@ from typing import Generic, TypeVar
 
 from tokenmill.engines.llamacpp.slots import KV_COPY_MIN_TOKENS, common_prefix
 
-__all__ = ["HostTier", "Match", "Parked", "TierStats", "covered"]
+__all__ = ["HostTier", "Match", "Parked", "TierStats", "covered", "longest_prefix"]
 
 B = TypeVar("B")  # the parked state (llama.cpp's sequence bytes); opaque here
+K = TypeVar("K")
 
 
 @dataclass(slots=True)
@@ -78,6 +79,23 @@ class TierStats:
     evictions: int = 0  # entries dropped, least recently used, for room
     subsumed: int = 0  # entries dropped because a longer parked one continues them
     swaps: int = 0  # running sequences swapped out of a full pool (pinned entries)
+
+
+def longest_prefix(
+    held: Iterable[tuple[K, Sequence[int]]], prompt: Sequence[int], better_than: int
+) -> tuple[K, int] | None:
+    """Of ``held`` (key, tokens), most recently used first, the one sharing the longest
+    prefix with ``prompt`` (the first among ties), with how many tokens it shares, if
+    that is at least ``KV_COPY_MIN_TOKENS`` more than ``better_than`` (what a slot
+    offers: restoring costs about what a copy between slots does)."""
+    best: tuple[K, int] | None = None
+    for key, tokens in held:
+        common = common_prefix(tokens, prompt)
+        if best is None or common > best[1]:
+            best = (key, common)
+    if best is None or best[1] < better_than + KV_COPY_MIN_TOKENS:
+        return None
+    return best
 
 
 def covered(tokens: Sequence[int], held: Sequence[int]) -> bool:
@@ -116,16 +134,9 @@ class HostTier(Generic[B]):
         recently used among ties), if it shares at least ``KV_COPY_MIN_TOKENS`` more
         than ``better_than`` (what a slot offers: restoring costs about what a copy
         between slots does)."""
-        best: Match | None = None
-        for entry in reversed(self.entries.values()):
-            if entry.pinned:
-                continue
-            common = common_prefix(entry.tokens, prompt)
-            if best is None or common > best.common:
-                best = Match(entry.key, common)
-        if best is None or best.common < better_than + KV_COPY_MIN_TOKENS:
-            return None
-        return best
+        cached = ((e.key, e.tokens) for e in reversed(self.entries.values()) if not e.pinned)
+        best = longest_prefix(cached, prompt, better_than)
+        return None if best is None else Match(*best)
 
     def get(self, key: int) -> Parked[B]:
         return self.entries[key]

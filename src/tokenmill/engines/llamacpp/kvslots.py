@@ -109,7 +109,7 @@ class KvSlots:
             return
         if tier.park(held, state, len(state), now=time.monotonic()) is not None:
             self.counters.kv_copies += 1
-            if self.writer is not None and not self.writer.tier.covers(held):
+            if self.writer is not None:  # (its thread skips what a file holds)
                 self.writer.submit(held, state)
 
     # -- moves between replicas ------------------------------------------------------
@@ -159,7 +159,7 @@ class KvSlots:
             return False
         if tier.park(tokens, state, len(state), now=time.monotonic()) is None:
             return False
-        if self.writer is not None and not self.writer.tier.covers(tokens):
+        if self.writer is not None:
             self.writer.submit(tokens, state)
         return True
 
@@ -304,7 +304,7 @@ class KvSlots:
     def _write(self, index: int) -> None:
         """With a disk tier, what slot ``index`` now holds goes to disk too (a copy of
         its cells now, written by the writer's thread), so that a crash loses no
-        finished turn's history; skipped when a file already holds it."""
+        finished turn's history; skipped when a file already holds it (no copy)."""
         writer = self.writer
         tokens = self.cache.slots[index].tokens
         if writer is None or len(tokens) < KV_COPY_MIN_TOKENS or writer.tier.covers(tokens):
