@@ -55,10 +55,17 @@ class Caller:
     max_concurrent: int | None = None
     priority: Priority = DEFAULT_PRIORITY
     max_priority: Priority = "interactive"
+    # The Batch API batch this request is a line of (None: not one): it runs in the
+    # ``batch`` class and is priced at its deployment's batch discount.
+    batch: str | None = None
 
     def asking(self, priority: Priority | None) -> Caller:
         """This caller for a request that asks for ``priority`` (None: the key's own)."""
         return replace(self, priority=capped(priority, self.priority, self.max_priority))
+
+    def for_batch(self, batch_id: str) -> Caller:
+        """This caller for a line of batch ``batch_id``: the lowest class, discounted."""
+        return replace(self, batch=batch_id, priority="batch", max_priority="batch")
 
     def tenant(self) -> Tenant:
         """Whom admission serves this request for."""

@@ -18,16 +18,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from tokenmill.config import Price
+from tokenmill.config import DeploymentCommon, Price
 from tokenmill.identity import Caller
 
 
-def cost(price: Price | None, prompt_tokens: int, completion_tokens: int) -> int:
-    """Micro-units for a request, rounded up: no fraction of a token goes unbilled."""
+def cost(
+    price: Price | None, prompt_tokens: int, completion_tokens: int, discount: float = 0.0
+) -> int:
+    """Micro-units for a request, rounded up: no fraction of a token goes unbilled.
+    ``discount``: the share of the price spared (a batch line's), exact to 1e-6."""
     if price is None:
         return 0
     total = prompt_tokens * price.prompt_per_mtok + completion_tokens * price.completion_per_mtok
+    if discount:
+        paid = 1_000_000 - round(discount * 1_000_000)
+        return -(-total * paid // 1_000_000_000_000)
     return -(-total // 1_000_000)
+
+
+def discount_for(config: DeploymentCommon, caller: Caller) -> float:
+    """The share of ``config``'s price spared for ``caller``: its batch discount for a
+    line of a Batch API batch, else none."""
+    return config.batch_discount if caller.batch is not None else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +50,7 @@ class HoldRequest:
     prompt_tokens: int
     max_tokens: int
     amount: int  # micro-units held
+    discount: float = 0.0  # the share of the price spared (metering.discount_for)
 
 
 @dataclass(frozen=True, slots=True)

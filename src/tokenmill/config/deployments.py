@@ -61,6 +61,9 @@ class DeploymentCommon(BaseModel):
     promote_after_s: float = Field(default=DEFAULT_PROMOTE_AFTER_S, gt=0)
     idle_unload_s: float | None = Field(default=None, gt=0)
     price: Price | None = None
+    # What a line of a Batch API batch is spared of the price: 0.5 bills it at half
+    # (docs/metering.md); a batch runs on idle capacity, at the lowest priority.
+    batch_discount: float = Field(default=0.5, ge=0, lt=1, allow_inf_nan=False)
     # Slots per replica (upstream: requests sent at once) and the context of each
     # (upstream: the window assumed when a client sends no max_tokens).
     max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1, le=256)

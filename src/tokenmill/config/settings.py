@@ -40,6 +40,11 @@ DEFAULT_DRAIN_S = 10.0
 DEFAULT_CLIENT_TIMEOUT_S = 30.0
 # How long a stored response (the Responses API's ``store``) is kept: OpenAI's 30 days.
 DEFAULT_RESPONSES_RETENTION_S = 30 * 24 * 3600.0
+# The Batch API's files: OpenAI's own limits (200 MB a file, 50,000 lines a batch),
+# kept as long as stored responses.
+DEFAULT_FILES_MAX_BYTES = 200 * 1000 * 1000
+DEFAULT_FILES_RETENTION_S = 30 * 24 * 3600.0
+DEFAULT_BATCH_MAX_LINES = 50_000
 # A stream that has sent nothing for this long sends a ping (and a request still
 # waiting to open gets its response head): well inside the shortest idle limits met in
 # front of servers (30 s to a first byte, 60 s idle), soon enough that a client can
@@ -94,6 +99,11 @@ class Settings(BaseModel):
     responses_retention_s: float = Field(
         default=DEFAULT_RESPONSES_RETENTION_S, gt=0, allow_inf_nan=False
     )
+    # The Batch API (docs/api.md#batches): an uploaded file's size limit, how long
+    # files (uploads and batch outputs) are kept, the most lines one batch may have.
+    files_max_bytes: int = Field(default=DEFAULT_FILES_MAX_BYTES, ge=1024)
+    files_retention_s: float = Field(default=DEFAULT_FILES_RETENTION_S, gt=0, allow_inf_nan=False)
+    batch_max_lines: int = Field(default=DEFAULT_BATCH_MAX_LINES, ge=1)
     # Keep-alive pings of streamed responses (tokenmill.server.sse); 0 or None: none.
     stream_keepalive_s: float | None = Field(default=DEFAULT_STREAM_KEEPALIVE_S, ge=0)
     # The Ray cluster of deployments with placement = "ray": "local" starts a private
@@ -156,6 +166,9 @@ _ENV_KEYS = (
     "drain_s",
     "client_timeout_s",
     "responses_retention_s",
+    "files_max_bytes",
+    "files_retention_s",
+    "batch_max_lines",
     "stream_keepalive_s",
     "ray_address",
 )

@@ -30,6 +30,7 @@ from typing import Any
 from tokenmill.config import DeploymentConfig
 from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
+from tokenmill.gateway.idle import batch_room
 from tokenmill.gateway.moves import KvMoves
 from tokenmill.gateway.prefix import PrefixIndex, Tier
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
@@ -341,6 +342,15 @@ class Deployment:
             host = await self.any_host()
             self._template = ((await host.tokenizer_info()).chat_template,)
         return self._template[0]
+
+    def batch_room(self, own: int) -> int:
+        """How many more Batch API lines may start here now (:mod:`~tokenmill.gateway.
+        idle`); ``own``: lines the caller already started. An idle-unloaded deployment
+        takes one, which loads it."""
+        if own == 0 and all(r.state == "unloaded" for r in self.replicas):
+            return 1
+        waiting = self.admission.waiting + self._placing
+        return batch_room(self.admission.capacity, self.admission.active, waiting, own)
 
     def refresh_capacity(self) -> None:
         """Admit against the slots of the replicas that can serve right now."""

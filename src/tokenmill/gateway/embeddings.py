@@ -23,7 +23,7 @@ from tokenmill.gateway.deployment import Deployment, Replica
 from tokenmill.gateway.records import finished
 from tokenmill.gateway.reservation import Books
 from tokenmill.identity import ANONYMOUS, Caller
-from tokenmill.metering import HoldRequest, cost
+from tokenmill.metering import HoldRequest, cost, discount_for
 
 
 async def embed(
@@ -46,13 +46,15 @@ async def embed(
         info = await replica.host.prepare_embeddings(request)
         record.prompt_tokens = info.prompt_tokens
         deployment.admission.serve(caller.account_id, info.prompt_tokens)
+        discount = discount_for(deployment.config, caller)
         hold = HoldRequest(
             request_id=request.request_id,
             caller=caller,
             deployment=deployment.id,
             prompt_tokens=info.prompt_tokens,
             max_tokens=0,
-            amount=cost(deployment.config.price, info.prompt_tokens, 0),
+            amount=cost(deployment.config.price, info.prompt_tokens, 0, discount),
+            discount=discount,
         )
         await gateway.meter.hold(hold)
     except BaseException as e:

@@ -29,7 +29,7 @@ from tokenmill.errors import ContextLengthError, InvalidRequestError
 from tokenmill.gateway.deployment import Deployment, Replica
 from tokenmill.gateway.records import RequestRecord
 from tokenmill.gateway.routing import RouteQuery
-from tokenmill.metering import HoldRequest, Meter, Progress, Settlement, cost
+from tokenmill.metering import HoldRequest, Meter, Progress, Settlement, cost, discount_for
 from tokenmill.replicas import ReplicaHost
 
 T = TypeVar("T")
@@ -145,13 +145,15 @@ class Reservation:
             self.request = request = dataclasses.replace(request, sampling=sampling)
         # Every choice may run to max_tokens: the hold covers them all.
         most = max_tokens * self._weight
+        discount = discount_for(self.deployment.config, self._caller)
         hold = HoldRequest(
             request_id=request.request_id,
             caller=self._caller,
             deployment=self.deployment.id,
             prompt_tokens=info.prompt_tokens,
             max_tokens=most,
-            amount=cost(self.deployment.config.price, info.prompt_tokens, most),
+            amount=cost(self.deployment.config.price, info.prompt_tokens, most, discount),
+            discount=discount,
         )
         # A hold half-written when the caller gives up (a client leaving a stream that
         # waited behind keep-alive pings) would stay open until the sweeper: it is
@@ -224,8 +226,9 @@ class Books:
         return self.deployment.config.price
 
     def charge(self, prompt_tokens: int, completion_tokens: int) -> int:
-        """What these tokens cost, never more than was held."""
-        return min(self.hold.amount, cost(self.price, prompt_tokens, completion_tokens))
+        """What these tokens cost (at the hold's discount), never more than was held."""
+        price = cost(self.price, prompt_tokens, completion_tokens, self.hold.discount)
+        return min(self.hold.amount, price)
 
     def progress(self, prompt_tokens: int, delivered: int) -> Progress:
         return Progress(self.hold.request_id, delivered, self.charge(prompt_tokens, delivered))

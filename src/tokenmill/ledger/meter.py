@@ -78,7 +78,9 @@ class LedgerMeter:
                 prompt_tokens=hold.prompt_tokens,
                 max_tokens=hold.max_tokens,
                 amount=hold.amount,
-                min_charge=cost(self.prices.get(hold.deployment), hold.prompt_tokens, 0),
+                min_charge=cost(
+                    self.prices.get(hold.deployment), hold.prompt_tokens, 0, hold.discount
+                ),
             )
         )
 

@@ -225,6 +225,15 @@ class SqlLedger(Database):
         )
         return None if row is None else rows.key(row)
 
+    async def key_by_id(self, key_id: str) -> KeyInfo | None:
+        """A key by its id (revoked ones too: ``revoked`` says so)."""
+        row = await self._run(
+            lambda tx: tx.one(
+                f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.id = ?", (key_id,)
+            )
+        )
+        return None if row is None else rows.key(row)
+
     async def set_key_priority(self, key_id: str, priority: KeyPriority) -> KeyInfo | None:
         def tx_fn(tx: Tx) -> KeyInfo | None:
             tx.run("UPDATE api_keys SET priority = ? WHERE id = ?", (priority, key_id))
@@ -452,6 +461,8 @@ class SqlLedger(Database):
             forget_before(tx, old_window)
             # Stored responses past their retention (tokenmill.ledger.responses).
             tx.run("DELETE FROM responses WHERE expires <= ?", (self.clock(),))
+            # Batch API files past their retention (tokenmill.ledger.batches).
+            tx.run("DELETE FROM files WHERE expires <= ?", (self.clock(),))
 
         await self._run(tidy)
         return swept

@@ -31,9 +31,12 @@ from tokenmill.errors import NotFoundError, TokenmillError
 from tokenmill.gateway import Gateway, new_request_id
 from tokenmill.identity import ANONYMOUS
 from tokenmill.ledger import LedgerMeter, ResponseStore, build_ledger
+from tokenmill.ledger.batches import BatchStore, FileStore
 from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenmill.server.admin import router as admin_router
 from tokenmill.server.auth import Auth, KeyCache
+from tokenmill.server.batches.router import router as batches_router
+from tokenmill.server.batches.runner import BatchRunner
 from tokenmill.server.deployments import router as deployments_router
 from tokenmill.server.errors import (
     ANTHROPIC_TYPES,
@@ -133,11 +136,14 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
         await meter.start()
         loader = asyncio.create_task(load())
         app.state.loader = loader
+        runner.start()
         try:
             yield
         finally:
             loader.cancel()
+            runner.stop_claiming()
             await gw.close(settings.drain_s)
+            await runner.close()
             await meter.close()
             await ledger.close()
 
@@ -162,6 +168,9 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     app.state.ledger = ledger
     app.state.key_cache = KeyCache(ledger)
     app.state.responses = ResponseStore(ledger, settings.responses_retention_s)
+    app.state.files = files = FileStore(ledger, settings.files_retention_s)
+    app.state.batches = batches = BatchStore(ledger, files)
+    app.state.batch_runner = runner = BatchRunner(app, gw, batches, ledger, stale_s=meter.stale_s)
     app.state.load_error = False
     app.add_exception_handler(TokenmillError, handle_tokenmill_error)
     app.add_exception_handler(Exception, handle_unexpected)
@@ -226,6 +235,7 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     app.include_router(responses_router)
     app.include_router(messages_router)
     app.include_router(admin_router)
+    app.include_router(batches_router)
     app.add_middleware(Auth, admin_key=settings.admin_key, keys=app.state.key_cache)
     app.add_middleware(RequestContext)
     return app

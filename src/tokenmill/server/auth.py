@@ -83,6 +83,11 @@ class KeyCache:
         }
 
 
+# The scope key under which the gateway's own in-process requests (a Batch API
+# line, tokenmill.server.batches.runner) name their caller. A server never puts
+# anything of the network in the scope's top level, so no client can set it.
+INTERNAL_CALLER = "tokenmill.caller"
+
 # Outside /v1 and keyed like it: vLLM's paths for the model's tokenizer.
 KEYED_ROOT_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
@@ -125,7 +130,7 @@ class Auth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
-                caller = await self._caller(scope)
+                caller = scope.get(INTERNAL_CALLER) or await self._caller(scope)
             except TokenmillError as e:
                 await error_response(e, scope["path"])(scope, receive, send)
                 return
