@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -17,7 +17,7 @@ from tests.conftest import ServerProcess
 from tests.ledger.helpers import CONFIG, ENV, account, admin, new_account, new_key
 from tests.waiting import wait_until
 
-CHAT = "/v1/chat/completions"
+CHAT: Literal["/v1/chat/completions"] = "/v1/chat/completions"
 ENDED = ("completed", "failed", "expired", "cancelled")
 # PRICE (1.5 and 3 micro-units a token) at the default batch discount of 0.5.
 FILES_MAX = 64 * 1024
@@ -26,7 +26,7 @@ FILES_MAX = 64 * 1024
 def discounted(r: dict[str, Any]) -> int:
     """Half of PRICE, written out: 0.75 a prompt token, 1.5 a completion token, the
     sum rounded up."""
-    return -(-(3 * r["prompt_tokens"] + 6 * r["completion_tokens"]) // 4)
+    return -(-(3 * int(r["prompt_tokens"]) + 6 * int(r["completion_tokens"])) // 4)
 
 
 def line(custom_id: str, content: str, max_tokens: int = 6, **body: Any) -> dict[str, Any]:
@@ -198,7 +198,7 @@ def test_bad_input_fails_validation_with_line_numbers_and_costs_nothing(
     with pytest.raises(openai.BadRequestError, match="endpoint"):
         client.batches.create(
             input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h"
-        )  # type: ignore[arg-type]
+        )
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="forever")  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError, match="file_nope"):
@@ -210,7 +210,8 @@ def test_bad_input_fails_validation_with_line_numbers_and_costs_nothing(
     assert too_big.value.status_code == 413
     empty = client.files.create(file=("e.jsonl", io.BytesIO(b"\n")), purpose="batch")
     nothing = client.batches.create(input_file_id=empty.id, endpoint=CHAT, completion_window="24h")
-    assert nothing.status == "failed" and nothing.errors.data[0].code == "empty_file"
+    assert nothing.status == "failed" and nothing.errors is not None and nothing.errors.data
+    assert nothing.errors.data[0].code == "empty_file"
 
 
 def test_another_accounts_files_and_batches_do_not_exist(gateway: ServerProcess) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -18,7 +18,7 @@ from tests.driver import EngineDriver, scripted_deployment
 from tests.ledger.helpers import ENV, PRICE, account, admin, new_account, new_key
 from tests.waiting import HANG_S, wait_until
 
-TEXT = "/v1/completions"
+TEXT: Literal["/v1/completions"] = "/v1/completions"
 
 
 def priced(config: str) -> str:
