@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from scenario import Scenario
 
-from . import constrained, fairness, kvcluster, kvtier, logprobs, ray, routing, versus
+from . import batch, constrained, fairness, kvcluster, kvtier, logprobs, ray, routing, versus
 
 SCENARIOS: tuple[Scenario, ...] = (
     versus.SCENARIO,
@@ -19,4 +19,5 @@ SCENARIOS: tuple[Scenario, ...] = (
     routing.SCENARIO,
     kvtier.SCENARIO,
     kvcluster.SCENARIO,
+    batch.SCENARIO,
 )

@@ -118,10 +118,10 @@ def config(args: argparse.Namespace) -> str:
 class Gateway:
     """A ``tokenmill serve`` child process with the admin key and a SQLite ledger."""
 
-    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+    def __init__(self, args: argparse.Namespace, tmp: Path, text: str | None = None) -> None:
         self.port = free_port()
         cfg = tmp / "tokenmill.toml"
-        cfg.write_text(config(args))
+        cfg.write_text(config(args) if text is None else text)
         self.log_path = tmp / "gateway.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
         env["TOKENMILL_ADMIN_KEY"] = ADMIN_KEY

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from tokenmill.gateway.idle import batch_room, reserve_for
+from tokenmill.gateway.idle import batch_room, usable
 from tokenmill.ledger.batches import BatchStore, FileStore, LineSpec, output_line
 from tokenmill.ledger.sql import SqlLedger
 
@@ -165,11 +165,15 @@ async def test_files_are_owned_paged_and_kept_for_their_retention(
 
 
 def test_a_batch_starts_lines_only_into_idle_slots() -> None:
-    assert [reserve_for(c) for c in (0, 1, 2, 8, 16, 17)] == [0, 0, 1, 1, 2, 2]
-    assert batch_room(16, active=0, waiting=0, own=0) == 14
-    assert batch_room(16, active=10, waiting=0, own=4) == 4
-    assert batch_room(16, active=4, waiting=0, own=10) == 4  # its own, not yet admitted
-    assert batch_room(16, active=15, waiting=0, own=0) == 0
+    assert [usable(c, busy=False) for c in (0, 1, 2, 8, 16)] == [0, 1, 1, 7, 15]
+    assert [usable(c, busy=True) for c in (1, 2, 3, 8, 16)] == [1, 1, 1, 2, 4]
+    assert batch_room(16, active=0, waiting=0, own=0) == 15
+    assert batch_room(16, active=10, waiting=0, own=4) == 6
+    assert batch_room(16, active=4, waiting=0, own=10) == 5  # its own, not yet admitted
+    assert batch_room(16, active=16, waiting=0, own=0) == 0
     assert batch_room(16, active=2, waiting=1, own=0) == 0  # someone waits: they go first
+    # Other traffic came lately: a quarter of the slots, its own lines counted.
+    assert batch_room(16, active=1, waiting=0, own=0, busy=True) == 4
+    assert batch_room(16, active=8, waiting=0, own=3, busy=True) == 1
     assert batch_room(1, active=0, waiting=0, own=0) == 1
     assert batch_room(0, active=0, waiting=0, own=0) == 0

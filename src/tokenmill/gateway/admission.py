@@ -62,6 +62,8 @@ class Admission:
         )
         # Smoothed seconds a permit is held, to tell refused callers when to come back.
         self._hold_s = 1.0
+        # When a request of a class above ``batch`` last asked for a slot (monotonic).
+        self.last_urgent = -float("inf")
 
     @property
     def fair(self) -> bool:
@@ -82,6 +84,8 @@ class Admission:
         """Take ``weight`` slots for ``tenant``; return the seconds spent queued."""
         self._check_share(tenant)
         start = time.monotonic()
+        if tenant.priority != "batch":
+            self.last_urgent = start  # a Batch API batch makes room (gateway.idle)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = self._queue.push(fut, tenant, weight, start)
         self._grant()

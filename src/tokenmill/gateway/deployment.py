@@ -30,7 +30,7 @@ from typing import Any
 from tokenmill.config import DeploymentConfig
 from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
-from tokenmill.gateway.idle import batch_room
+from tokenmill.gateway.idle import QUIET_S, batch_room
 from tokenmill.gateway.moves import KvMoves
 from tokenmill.gateway.prefix import PrefixIndex, Tier
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
@@ -350,7 +350,8 @@ class Deployment:
         if own == 0 and all(r.state == "unloaded" for r in self.replicas):
             return 1
         waiting = self.admission.waiting + self._placing
-        return batch_room(self.admission.capacity, self.admission.active, waiting, own)
+        busy = time.monotonic() - self.admission.last_urgent < QUIET_S
+        return batch_room(self.admission.capacity, self.admission.active, waiting, own, busy=busy)
 
     def refresh_capacity(self) -> None:
         """Admit against the slots of the replicas that can serve right now."""

@@ -251,6 +251,8 @@ class BatchRunner:
             await self.store.retry(line, gateway_id)
         finally:
             self._own[line.deployment] -= 1
+            if not any(self._own.values()):
+                self._next_housekeeping = 0.0  # perhaps its batch's last: finalize it now
             self._wake.set()
 
     async def _outcome(
