@@ -550,18 +550,21 @@ class BatchStore:
 
         def tx_fn(tx: Tx) -> int:
             rows = tx.all(
-                "SELECT l.batch_id, l.line, l.custom_id, l.attempts, l.request_id "
+                "SELECT l.batch_id, l.line, l.custom_id, l.attempts, l.request_id, l.gateway_id "
                 "FROM batch_lines l LEFT JOIN gateways g ON g.id = l.gateway_id "
                 "WHERE l.state = 'running' AND l.gateway_id <> ? "
                 "AND (g.heartbeat IS NULL OR g.heartbeat < ?)",
                 (gateway_id, cutoff),
             )
-            for batch_id, line, custom_id, attempts, request_id in rows:
+            # Each update names the dead claim (its request id): a line another
+            # gateway took back and claimed meanwhile is not touched.
+            for batch_id, line, custom_id, attempts, request_id, holder in rows:
                 if int(attempts) < MAX_ATTEMPTS:
                     tx.run(
                         "UPDATE batch_lines SET state = 'pending', gateway_id = NULL, "
-                        "request_id = NULL WHERE batch_id = ? AND line = ? AND state = 'running'",
-                        (batch_id, line),
+                        "request_id = NULL WHERE batch_id = ? AND line = ? AND state = 'running' "
+                        "AND gateway_id = ? AND request_id = ?",
+                        (batch_id, line, holder, request_id),
                     )
                     continue
                 result = output_line(
@@ -570,9 +573,9 @@ class BatchStore:
                      "message": f"the gateway running this request stopped, {attempts} times"},
                 )  # fmt: skip
                 tx.run(
-                    "UPDATE batch_lines SET state = 'failed', result = ? "
-                    "WHERE batch_id = ? AND line = ? AND state = 'running'",
-                    (_json(result), batch_id, line),
+                    "UPDATE batch_lines SET state = 'failed', result = ? WHERE batch_id = ? "
+                    "AND line = ? AND state = 'running' AND gateway_id = ? AND request_id = ?",
+                    (_json(result), batch_id, line, holder, request_id),
                 )
             return len(rows)
 

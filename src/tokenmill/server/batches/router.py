@@ -127,7 +127,14 @@ async def get_file(request: Request, file_id: str) -> JSONResponse:
     return JSONResponse(stored.to_json())
 
 
-@router.get("/v1/files/{file_id}/content", responses=errors(404))
+@router.get(
+    "/v1/files/{file_id}/content",
+    response_class=Response,
+    responses={
+        200: {"description": "The file's bytes", "content": {"application/octet-stream": {}}},
+        **errors(404),
+    },
+)
 async def file_content(request: Request, file_id: str) -> Response:
     content = await files_of(request).content(file_id, _account(request))
     if content is None:
