@@ -76,3 +76,23 @@ def test_echoed_logprobs_want_every_prompt_row() -> None:
     seq.n_past = 2
     plan = plan_batch([seq], prefill_chunk=2, capacity=600)
     assert plan.prompt_rows == [(seq, 0)] and plan.outputs == [(seq, 1)]
+
+
+def test_background_choices_sit_out_a_step_that_prefills_a_foreground_prompt() -> None:
+    line = choice("line", slot=0, prompt=3, n_past=6, last=40)
+    line.background = True
+    other = choice("other", slot=1, prompt=3, n_past=4, last=41)
+    fresh = choice("fresh", slot=2, prompt=4)
+    # A foreground prompt to prefill: the background line neither decodes nor prefills.
+    plan = plan_batch([line, other, fresh], prefill_chunk=512, capacity=600)
+    assert [row[2] for row in plan.rows] == [1, 2, 2, 2, 2]
+    assert [seq.key for seq, _ in plan.outputs] == ["other", "fresh"]
+    # Once it is in, everyone decodes together again.
+    fresh.n_past, fresh.last_token = 4, 43
+    plan = plan_batch([line, other, fresh], prefill_chunk=512, capacity=600)
+    assert [seq.key for seq, _ in plan.outputs] == ["line", "other", "fresh"]
+    # A background prompt waits for nobody, and holds nobody back.
+    queued = choice("queued", slot=3, prompt=2)
+    queued.background = True
+    plan = plan_batch([line, other, fresh, queued], prefill_chunk=512, capacity=600)
+    assert [seq.key for seq, _ in plan.outputs] == ["line", "other", "fresh", "queued"]

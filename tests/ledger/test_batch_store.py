@@ -167,6 +167,10 @@ async def test_files_are_owned_paged_and_kept_for_their_retention(
 def test_a_batch_starts_lines_only_into_idle_slots() -> None:
     assert [usable(c, busy=False) for c in (0, 1, 2, 8, 16)] == [0, 1, 1, 7, 15]
     assert [usable(c, busy=True) for c in (1, 2, 3, 8, 16)] == [1, 1, 1, 2, 4]
+    # Slots measured to free quickly: a quiet deployment is filled whole.
+    assert [usable(c, busy=False, turnover_s=0.1) for c in (1, 2, 8)] == [1, 2, 8]
+    assert usable(8, busy=False, turnover_s=2.0) == 7
+    assert usable(8, busy=True, turnover_s=0.1) == 2
     assert batch_room(16, active=0, waiting=0, own=0) == 15
     assert batch_room(16, active=10, waiting=0, own=4) == 6
     assert batch_room(16, active=4, waiting=0, own=10) == 5  # its own, not yet admitted

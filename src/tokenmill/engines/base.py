@@ -216,6 +216,10 @@ class GenerationRequest:
     # them (``PromptInfo.tokens``): an engine may take them instead of tokenizing the
     # prompt again. Set by the gateway only; the prompt fields stay as they were.
     tokenized: tuple[tuple[int, ...], ...] | None = None
+    # Background work (the ``batch`` class: a Batch API line): its sequences sit out
+    # the decode steps that prefill another request's prompt, so that it never slows
+    # another's first token. Set by the gateway from the caller's class.
+    background: bool = False
 
     def __post_init__(self) -> None:
         given = (self.prompt, self.messages, self.prompt_tokens, self.prompts)

@@ -41,6 +41,8 @@ ANYONE = Tenant()
 # each running stream has one successor ready, so the account loses no turn, and a
 # flood beyond that is refused instead of filling the queue for everyone.
 QUEUED_PER_STREAM = 1
+# Permits given back before their smoothed hold time is taken as measured.
+TURNOVER_SAMPLES = 8
 
 
 class Admission:
@@ -64,6 +66,7 @@ class Admission:
         self._hold_s = 1.0
         # When a request of a class above ``batch`` last asked for a slot (monotonic).
         self.last_urgent = -float("inf")
+        self._released = 0  # permits given back: how far ``_hold_s`` is measured
 
     @property
     def fair(self) -> bool:
@@ -75,6 +78,13 @@ class Admission:
 
     def accounts(self) -> list[AccountView]:
         return self._queue.accounts()
+
+    def turnover_s(self) -> float | None:
+        """How often a slot frees, on average, once a few permits were given back
+        (None before: not measured yet)."""
+        if self._released < TURNOVER_SAMPLES or self.capacity <= 0:
+            return None
+        return self._hold_s / self.capacity
 
     def retry_after(self) -> float:
         per_slot = self._hold_s / max(1, self.capacity)
@@ -148,6 +158,7 @@ class Admission:
     ) -> None:
         if held_s is not None:
             self._hold_s = 0.8 * self._hold_s + 0.2 * held_s
+            self._released += 1
         self.active -= weight
         self._queue.finish(account)
         self._grant()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -383,6 +384,9 @@ class Gateway:
         to the window (the stream's ``request`` then carries the smaller one) instead
         of refused.
         """
+        if caller.priority == "batch" and not request.background:
+            # Background work yields the decode steps that prefill others' prompts.
+            request = dataclasses.replace(request, background=True)
         record = RequestRecord(request.request_id, deployment.id, caller)
         marks = stages.current()
         if marks is not None:  # the HTTP request's, with its marks so far

@@ -351,7 +351,14 @@ class Deployment:
             return 1
         waiting = self.admission.waiting + self._placing
         busy = time.monotonic() - self.admission.last_urgent < QUIET_S
-        return batch_room(self.admission.capacity, self.admission.active, waiting, own, busy=busy)
+        return batch_room(
+            self.admission.capacity,
+            self.admission.active,
+            waiting,
+            own,
+            busy=busy,
+            turnover_s=self.admission.turnover_s(),
+        )
 
     def refresh_capacity(self) -> None:
         """Admit against the slots of the replicas that can serve right now."""

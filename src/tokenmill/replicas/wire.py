@@ -96,6 +96,7 @@ def encode_request(r: GenerationRequest) -> dict[str, Any]:
         "n": r.n,
         "tl": None if r.tools is None else dataclasses.asdict(r.tools),
         "tk": None if r.tokenized is None else [list(p) for p in r.tokenized],
+        "bg": r.background,
     }
 
 
@@ -189,6 +190,7 @@ def decode_request(d: dict[str, Any]) -> GenerationRequest:
         n=int(d.get("n", 1)),
         tools=None if d.get("tl") is None else ToolSpec(**d["tl"]),
         tokenized=None if tokenized is None else tuple(tuple(p) for p in tokenized),
+        background=bool(d.get("bg", False)),
     )
 
 

@@ -3,7 +3,9 @@
 Every decoding choice gets its next token; the prompt budget left goes to prefilling
 choices first come, first served, so a long prompt never stalls running streams. A
 follower (see :mod:`.choices`) waits for its leader's prompt: it neither decodes nor
-prefills.
+prefills. Background choices (a Batch API line's) sit out every step that prefills a
+foreground prompt: a batch on a CPU would otherwise add its decodes to the step that
+computes another request's first token (a step's time grows with its rows).
 
 The batch is laid out in slot order. With one KV stream per slot, llama.cpp splits
 a batch into one ubatch (one pass over the weights) per run of consecutive sequence
@@ -43,6 +45,9 @@ class BatchPlan:
 def plan_batch(running: Collection[Choice], *, prefill_chunk: int, capacity: int) -> BatchPlan:
     """The next step's batch for ``running`` (in arrival order), at most ``capacity``
     rows of which at most ``prefill_chunk`` prompt tokens."""
+    if any(_waits_for_prompt(s) and not s.background for s in running):
+        # A foreground prompt to prefill: background sequences sit this step out.
+        running = [s for s in running if not s.background]
     decoding = sum(1 for s in running if s.prefilled)
     budget = min(prefill_chunk, capacity - decoding)
     grant: dict[str, int] = {}
@@ -73,6 +78,10 @@ def plan_batch(running: Collection[Choice], *, prefill_chunk: int, capacity: int
             rows.append((seq.prompt[i], i, seq.slot, i == last or collect))
         plan.prefills.append((seq, end))
     return plan
+
+
+def _waits_for_prompt(seq: Choice) -> bool:
+    return not seq.prefilled and seq.leader is None
 
 
 def _by_slot(seq: Choice) -> int:

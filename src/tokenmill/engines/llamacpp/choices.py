@@ -64,6 +64,8 @@ class Choice:
     # A chat's answer: what its template writes before the next user message, as
     # tokens (see the next-turn warm-up in slotcache.py); empty for anything else.
     next_turn: tuple[int, ...] = ()
+    # Its request's: it sits out steps that prefill a foreground prompt (batch.py).
+    background: bool = False
     # Swapped out of a full KV pool: the key of its cells parked in host memory, until
     # it resumes (its slot stays its own meanwhile).
     swapped: int | None = None
@@ -135,6 +137,7 @@ def build_group(
                 prompt_logprobs=[] if echo and logprobs and leader is None else None,
                 grammar=grammar,
                 next_turn=next_turn,
+                background=request.background,
             )
             if leader is None:
                 leader = seq
