@@ -316,8 +316,19 @@ def test_cli_model_flag_builds_a_llamacpp_section(
             "deployments.0.colour: unknown key",
         ),
         ("price = { prompt_per_mtok = -1 }", "deployments.0.price.prompt_per_mtok: "),
+        ("batch_discount = 1", "deployments.0.batch_discount: Input should be less than 1"),
+        ("batch_share = 0", "deployments.0.batch_share: Input should be greater than 0"),
     ],
-    ids=["model", "replicas", "unknown-llamacpp", "unknown-upstream", "unknown-scripted", "price"],
+    ids=[
+        "model",
+        "replicas",
+        "unknown-llamacpp",
+        "unknown-upstream",
+        "unknown-scripted",
+        "price",
+        "batch-discount",
+        "batch-share",
+    ],
 )
 def test_error_locations_leave_out_the_engine_tag(tmp_path: Path, keys: str, expect: str) -> None:
     message = config_error(tmp_path, one(keys))

@@ -166,7 +166,9 @@ async def test_files_are_owned_paged_and_kept_for_their_retention(
 
 def test_a_batch_starts_lines_only_into_idle_slots() -> None:
     assert [usable(c, busy=False) for c in (0, 1, 2, 8, 16)] == [0, 1, 1, 7, 15]
+    # Beside other traffic: a quarter of the slots by default, at least one.
     assert [usable(c, busy=True) for c in (1, 2, 3, 8, 16)] == [1, 1, 1, 2, 4]
+    assert usable(16, busy=True, beside_share=0.125) == 2
     # Slots measured to free quickly: a quiet deployment is filled whole.
     assert [usable(c, busy=False, turnover_s=0.1) for c in (1, 2, 8)] == [1, 2, 8]
     assert usable(8, busy=False, turnover_s=2.0) == 7
@@ -176,8 +178,9 @@ def test_a_batch_starts_lines_only_into_idle_slots() -> None:
     assert batch_room(16, active=4, waiting=0, own=10) == 5  # its own, not yet admitted
     assert batch_room(16, active=16, waiting=0, own=0) == 0
     assert batch_room(16, active=2, waiting=1, own=0) == 0  # someone waits: they go first
-    # Other traffic came lately: a quarter of the slots, its own lines counted.
+    # Other traffic came lately: its share of the slots, its own lines counted.
     assert batch_room(16, active=1, waiting=0, own=0, busy=True) == 4
     assert batch_room(16, active=8, waiting=0, own=3, busy=True) == 1
+    assert batch_room(16, active=8, waiting=0, own=3, busy=True, beside_share=0.125) == 0
     assert batch_room(1, active=0, waiting=0, own=0) == 1
     assert batch_room(0, active=0, waiting=0, own=0) == 0

@@ -64,6 +64,10 @@ class DeploymentCommon(BaseModel):
     # What a line of a Batch API batch is spared of the price: 0.5 bills it at half
     # (docs/metering.md); a batch runs on idle capacity, at the lowest priority.
     batch_discount: float = Field(default=0.5, ge=0, lt=1, allow_inf_nan=False)
+    # The share of the slots Batch API lines may fill while other requests come (at
+    # least one slot): more, and a batch moves faster beside interactive traffic but
+    # lengthens the decode steps its first tokens wait for (docs/deployments.md).
+    batch_share: float = Field(default=0.25, gt=0, le=1, allow_inf_nan=False)
     # Slots per replica (upstream: requests sent at once) and the context of each
     # (upstream: the window assumed when a client sends no max_tokens).
     max_num_seqs: int = Field(default=DEFAULT_MAX_NUM_SEQS, ge=1, le=256)

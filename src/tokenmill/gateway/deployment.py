@@ -358,6 +358,7 @@ class Deployment:
             own,
             busy=busy,
             turnover_s=self.admission.turnover_s(),
+            beside_share=self.config.batch_share,
         )
 
     def refresh_capacity(self) -> None:

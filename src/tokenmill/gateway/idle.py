@@ -17,7 +17,8 @@ from __future__ import annotations
 
 # Seconds without another request after which a batch may take every slot.
 QUIET_S = 10.0
-# The share of the slots a batch keeps to while other requests come (at least one).
+# The share of the slots a batch keeps to while other requests come (at least one):
+# a deployment's ``batch_share``.
 BESIDE_SHARE = 0.25
 # A slot freeing at least this often (measured) need not be kept free: a request that
 # comes finds one soon enough.
@@ -50,12 +51,14 @@ def batch_room(
     *,
     busy: bool = False,
     turnover_s: float | None = None,
+    beside_share: float = BESIDE_SHARE,
 ) -> int:
     """How many more lines may start on a deployment with ``capacity`` slots,
     ``active`` of them taken, ``waiting`` requests queued, ``own`` lines already
     started by this runner (some not yet admitted, so not yet in ``active``), other
-    traffic seen lately (``busy``), and a slot freeing every ``turnover_s``."""
+    traffic seen lately (``busy``: then at most ``beside_share`` of the slots), and a
+    slot freeing every ``turnover_s``."""
     if capacity <= 0 or waiting > 0:
         return 0
-    most = usable(capacity, busy, turnover_s)
+    most = usable(capacity, busy, turnover_s, beside_share)
     return max(0, min(most - own, capacity - active))
