@@ -22,7 +22,6 @@ will be billed for changes by it.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -34,7 +33,7 @@ import llama_cpp as ll
 
 from tokenmill.engines.base import Chunk, FinishReason, TokenLogprob
 from tokenmill.engines.llamacpp.admission import RequestQueue
-from tokenmill.engines.llamacpp.batch import BatchPlan, plan_batch
+from tokenmill.engines.llamacpp.batch import plan_batch
 from tokenmill.engines.llamacpp.choices import Choice, Group
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
@@ -57,10 +56,6 @@ log = logging.getLogger("tokenmill.engines.llamacpp")
 # 2k-token prompt is in after 4 steps, small enough that a step with 16 decoding
 # streams stays a few tens of ms.
 PREFILL_CHUNK = 512
-# Seconds after a foreground request arrived during which background-only steps
-# (Batch API lines) run on a thread fewer: the gateway's batch runner keeps to its
-# share of the slots for as long (tokenmill.gateway.idle.QUIET_S).
-YIELD_S = 10.0
 # A chat's answer finished and nothing else to do for this long: the engine computes
 # what the template writes before the next user message (see ``KvSlots.warm``). A
 # person takes seconds to answer; a program that sends its next request at once
@@ -107,9 +102,6 @@ class DecodeLoop:
         self.first_marks = first_marks
         self._tuner = tuner
         self._n_threads = context.threads
-        # When a foreground request last arrived (monotonic; guarded by cv): until
-        # YIELD_S after it, steps of background work leave a core free (see _step).
-        self._foreground_at = -math.inf
         self._embedder = embedder
         self._requests = RequestQueue()  # guarded by cv
         self._aborts: set[str] = set()
@@ -134,8 +126,6 @@ class DecodeLoop:
             if self.failed is not None:
                 raise EngineError(f"the engine failed: {self.failed}")
             self._requests.push(group)
-            if not group.members[0].background:
-                self._foreground_at = group.marks[-1]
             self.cv.notify()
 
     def cancel(self, request_id: str) -> None:
@@ -334,18 +324,6 @@ class DecodeLoop:
             last = group.members[-1]
             events.append((last, Chunk("", "abort", group.usage(), index=last.index)))
 
-    def _yields(self, plan: BatchPlan) -> bool:
-        """Whether this step is background work only (Batch API lines) while
-        foreground requests come: it then runs on a thread fewer, so that a core is
-        free for their way in (the gateway's parsing, routing and holding, this
-        replica's prompt preparation), which otherwise waits behind llama.cpp's
-        threads on a small machine."""
-        if time.monotonic() - self._foreground_at > YIELD_S:
-            return False
-        return all(seq.background for seq, _ in plan.outputs) and all(
-            seq.background for seq, _ in plan.prefills
-        )
-
     def _step(self, events: Events) -> None:
         context = self.context
         capacity = context.batch_cap
@@ -362,8 +340,6 @@ class DecodeLoop:
         n = len(plan.rows)
         tuner = self._tuner
         threads = self._n_threads if tuner is None else tuner.threads_for(n)
-        if threads > 1 and self._yields(plan):
-            threads -= 1
         context.set_threads(threads)
         started = time.monotonic()
         rc = context.decode(n)
