@@ -22,6 +22,7 @@ will be billed for changes by it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -33,7 +34,7 @@ import llama_cpp as ll
 
 from tokenmill.engines.base import Chunk, FinishReason, TokenLogprob
 from tokenmill.engines.llamacpp.admission import RequestQueue
-from tokenmill.engines.llamacpp.batch import plan_batch
+from tokenmill.engines.llamacpp.batch import BatchPlan, plan_batch
 from tokenmill.engines.llamacpp.choices import Choice, Group
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
@@ -56,6 +57,10 @@ log = logging.getLogger("tokenmill.engines.llamacpp")
 # 2k-token prompt is in after 4 steps, small enough that a step with 16 decoding
 # streams stays a few tens of ms.
 PREFILL_CHUNK = 512
+# Seconds after a foreground request arrived during which background-only steps
+# (Batch API lines) are each followed by as long a pause: the gateway's batch runner
+# keeps to its share of the slots for as long (tokenmill.gateway.idle.QUIET_S).
+YIELD_S = 10.0
 # A chat's answer finished and nothing else to do for this long: the engine computes
 # what the template writes before the next user message (see ``KvSlots.warm``). A
 # person takes seconds to answer; a program that sends its next request at once
@@ -102,6 +107,10 @@ class DecodeLoop:
         self.first_marks = first_marks
         self._tuner = tuner
         self._n_threads = context.threads
+        # When a foreground request last arrived (monotonic; guarded by cv): until
+        # YIELD_S after it, background-only steps are followed by a pause (_pause).
+        self._foreground_at = -math.inf
+        self._pause_s = 0.0  # the pause owed after the last step
         self._embedder = embedder
         self._requests = RequestQueue()  # guarded by cv
         self._aborts: set[str] = set()
@@ -126,6 +135,8 @@ class DecodeLoop:
             if self.failed is not None:
                 raise EngineError(f"the engine failed: {self.failed}")
             self._requests.push(group)
+            if not group.members[0].background:
+                self._foreground_at = group.marks[-1]
             self.cv.notify()
 
     def cancel(self, request_id: str) -> None:
@@ -214,6 +225,8 @@ class DecodeLoop:
                     embedder.step()  # one bounded batch of embedding inputs
                 if events:
                     self._post(events)
+                if self._pause_s:
+                    self._pause()
         except BaseException as e:  # a native failure: fail every request, loudly
             log.exception("decode loop failed")
             with cv:
@@ -237,6 +250,26 @@ class DecodeLoop:
             for _, future in jobs:
                 if future.set_running_or_notify_cancel():
                     future.set_exception(EngineError("the engine is shutting down"))
+
+    def _pause(self) -> None:
+        """Idle as long as the background-only step before took, unless anything comes
+        (a request, a cancel, a job): a foreground request that arrives then starts at
+        once instead of waiting for a step under way."""
+        pause, self._pause_s = self._pause_s, 0.0
+        requests = self._requests
+        with self.cv:
+            self.cv.wait_for(
+                lambda: self._stop or requests.waiting or self._aborts or self._jobs, pause
+            )
+
+    def _background_only(self, plan: BatchPlan) -> bool:
+        """Whether this step is background work only (Batch API lines) while
+        foreground requests come (the last within ``YIELD_S``)."""
+        if time.monotonic() - self._foreground_at > YIELD_S:
+            return False
+        return all(seq.background for seq, _ in plan.outputs) and all(
+            seq.background for seq, _ in plan.prefills
+        )
 
     def _admit_locked(self) -> list[Choice]:
         """Requests, first come first served, while all of a request's choices fit
@@ -347,6 +380,10 @@ class DecodeLoop:
             raise RuntimeError(f"llama_decode returned {rc}")
         if tuner is not None:
             tuner.observe(threads, n, context.decoded_at - started)
+        if self._background_only(plan):
+            # Background work takes at most half the engine's time while foreground
+            # requests come: a step under way is what their first token waits for.
+            self._pause_s = context.decoded_at - started
         self.counters.steps += 1
         for seq, idx in plan.prompt_rows:
             self.rows.record_prompt_row(seq, idx)
