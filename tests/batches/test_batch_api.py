@@ -257,3 +257,32 @@ def test_lines_stop_when_credit_runs_out_never_overdrawn(gateway: ServerProcess)
     assert state["held"] == 0 and 0 <= state["balance"] == credit - sum(
         r["charged"] for r in receipts
     )
+
+
+def test_interactive_answers_beside_a_batch_are_the_answers_alone(gateway: ServerProcess) -> None:
+    # Greedy answers do not depend on what runs beside them: the batch's sequences sit
+    # out the steps that compute an interactive prompt, and pause between their own.
+    _, client = tenant(gateway, "beside", 10**6)
+    ask = [f"Name a fruit that starts with {c}." for c in "ABC"]
+
+    def answers() -> list[str]:
+        return [
+            str(
+                client.chat.completions.create(
+                    model="smollm2",
+                    messages=[{"role": "user", "content": q}],
+                    max_tokens=12,
+                    temperature=0,
+                )
+                .choices[0]
+                .message.content
+            )
+            for q in ask
+        ]
+
+    alone = answers()
+    batch = run(client, [line(f"b{i}", f"Tell a story about {i} cats.", 48) for i in range(8)])
+    beside = answers()
+    done = ended(client, batch.id)
+    assert beside == alone
+    assert done.status == "completed" and done.request_counts.completed == 8
