@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import ServerProcess
 from tests.ledger.helpers import CONFIG, ENV, account, admin, new_account, new_key
-from tests.waiting import wait_until
+from tests.waiting import HANG_S, wait_until
 
 CHAT: Literal["/v1/chat/completions"] = "/v1/chat/completions"
 ENDED = ("completed", "failed", "expired", "cancelled")
@@ -117,6 +117,7 @@ def test_a_batch_runs_every_line_once_at_the_discount(gateway: ServerProcess) ->
         mine = httpx.get(
             f"{gateway.url}/v1/usage/{resp['request_id']}",
             headers={"authorization": f"Bearer {client.api_key}"},
+            timeout=HANG_S,
         )
         assert (
             mine.status_code == 200

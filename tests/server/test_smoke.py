@@ -6,6 +6,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import ServerProcess
+from tests.waiting import HANG_S
 
 
 def test_health_and_models(server: ServerProcess, http: httpx.Client) -> None:
@@ -19,17 +20,24 @@ def test_serve_another_gguf_under_a_name(start_server: Callable[..., ServerProce
 
     srv = start_server(args=["--model", str(embedded_model_path()), "--name", "tiny"])
     assert "tokenmill serving on http://127.0.0.1:" in srv.log()
-    ids = [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
+    ids = [m["id"] for m in httpx.get(srv.url + "/v1/models", timeout=HANG_S).json()["data"]]
     assert ids == ["tiny"]
+    # httpx's default 5 s is a speed assumption: a loaded machine took longer.
     r = httpx.post(
-        srv.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+        srv.url + "/v1/completions",
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+        timeout=HANG_S,
     )
     assert r.status_code == 200 and r.json()["model"] == "tiny"
 
 
 def test_settings_from_environment(start_server: Callable[..., ServerProcess]) -> None:
     srv = start_server(env={"TOKENMILL_MAX_BODY_BYTES": "2048"})
-    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x" * 4000, "max_tokens": 1})
+    r = httpx.post(
+        srv.url + "/v1/completions",
+        json={"prompt": "x" * 4000, "max_tokens": 1},
+        timeout=HANG_S,
+    )
     assert r.status_code == 413
 
 

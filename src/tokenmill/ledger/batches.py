@@ -500,27 +500,16 @@ class BatchStore:
         )
         return row is not None
 
-    async def unclaim(self, claimed: Claimed, gateway_id: str) -> bool:
-        """Put a line that did not run (no capacity, no credit yet, shutting down) back,
-        its attempt not counted."""
+    async def unclaim(self, claimed: Claimed, gateway_id: str, *, counted: bool = False) -> bool:
+        """Put a line ``gateway_id`` holds back to pending: one that did not run (no
+        capacity, no credit yet, shutting down), its attempt not counted; or, with
+        ``counted``, one that failed on the replica's side, for one more try."""
+        attempts = "attempts" if counted else "attempts - 1"
         row = await self.ledger.transact(
             lambda tx: tx.one(
                 "UPDATE batch_lines SET state = 'pending', gateway_id = NULL, request_id = NULL, "
-                "attempts = attempts - 1 WHERE batch_id = ? AND line = ? AND state = 'running' "
+                f"attempts = {attempts} WHERE batch_id = ? AND line = ? AND state = 'running' "
                 "AND gateway_id = ? AND request_id = ? RETURNING line",
-                (claimed.batch_id, claimed.line, gateway_id, claimed.request_id),
-            )
-        )
-        return row is not None
-
-    async def retry(self, claimed: Claimed, gateway_id: str) -> bool:
-        """Put a line that failed on the replica's side back for one more try, its
-        attempt counted."""
-        row = await self.ledger.transact(
-            lambda tx: tx.one(
-                "UPDATE batch_lines SET state = 'pending', gateway_id = NULL, request_id = NULL "
-                "WHERE batch_id = ? AND line = ? AND state = 'running' AND gateway_id = ? "
-                "AND request_id = ? RETURNING line",
                 (claimed.batch_id, claimed.line, gateway_id, claimed.request_id),
             )
         )

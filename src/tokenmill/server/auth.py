@@ -165,11 +165,17 @@ class Auth:
             raise AuthenticationError("invalid or revoked API key")
         if is_admin_path:
             raise PermissionDeniedError("the admin API needs the admin key")
-        return Caller(
-            account_id=info.account_id,
-            key_id=info.id,
-            weight=info.weight,
-            max_concurrent=info.max_concurrent,
-            priority=info.priority,
-            max_priority=info.priority,
-        )
+        return caller_of(info)
+
+
+def caller_of(info: KeyInfo) -> Caller:
+    """Who calls with the key ``info`` describes: its account and the account's
+    scheduling, its class both the requests' own and their ceiling."""
+    return Caller(
+        account_id=info.account_id,
+        key_id=info.id,
+        weight=info.weight,
+        max_concurrent=info.max_concurrent,
+        priority=info.priority,
+        max_priority=info.priority,
+    )

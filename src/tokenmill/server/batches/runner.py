@@ -40,7 +40,7 @@ from tokenmill.gateway import Gateway
 from tokenmill.identity import Caller
 from tokenmill.ledger import SqlLedger
 from tokenmill.ledger.batches import MAX_ATTEMPTS, BatchStore, Claimed, output_line
-from tokenmill.server.auth import INTERNAL_CALLER
+from tokenmill.server.auth import INTERNAL_CALLER, caller_of
 
 log = logging.getLogger("tokenmill.batches")
 
@@ -214,16 +214,7 @@ class BatchRunner:
         hit = self._keys.get(line.key_id)
         if hit is None or hit[0] < now:
             info = await self.ledger.key_by_id(line.key_id)
-            caller = None
-            if info is not None and info.revoked is None:
-                caller = Caller(
-                    account_id=info.account_id,
-                    key_id=info.id,
-                    weight=info.weight,
-                    max_concurrent=info.max_concurrent,
-                    priority=info.priority,
-                    max_priority=info.priority,
-                )
+            caller = None if info is None or info.revoked is not None else caller_of(info)
             hit = self._keys[line.key_id] = (now + _KEY_TTL_S, caller)
         return None if hit[1] is None else hit[1].for_batch(line.batch_id)
 
@@ -248,7 +239,7 @@ class BatchRunner:
             raise
         except Exception:
             log.exception("batch %s line %d failed in the runner", line.batch_id, line.line)
-            await self.store.retry(line, gateway_id)
+            await self.store.unclaim(line, gateway_id, counted=True)
         finally:
             self._own[line.deployment] -= 1
             if not any(self._own.values()):
@@ -284,7 +275,7 @@ class BatchRunner:
             wait = _retry_after(headers)
             self._held_off[line.deployment] = time.monotonic() + min(wait, HOLD_OFF_S)
         elif status >= 500 and line.attempts < MAX_ATTEMPTS:
-            await self.store.retry(line, gateway_id)
+            await self.store.unclaim(line, gateway_id, counted=True)
         else:
             await self.store.finish(line, gateway_id, "failed", result)
 
