@@ -96,6 +96,41 @@ class DeploymentCommon(BaseModel):
         return self
 
 
+class Autoscale(BaseModel):
+    """``[deployments.autoscale]``: replicas that follow the load, between
+    ``min_replicas`` and ``max_replicas`` (tokenmill.gateway.autoscale;
+    docs/autoscaling.md). ``replicas`` is then the count it starts with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(default=1, ge=0, le=64)
+    max_replicas: int = Field(ge=1, le=64)
+    # Requests running or waiting per replica that the replicas are sized for. Unset:
+    # the replica's slots (max_num_seqs): more, and requests queue.
+    target_ongoing_requests: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # A first-token latency (p90 over look_back_s) past which one more replica is added
+    # even below target_ongoing_requests; no replica goes while it is above 0.8 of it.
+    target_ttft_p90_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # How long the load must ask for more (fewer) replicas before they are added
+    # (removed); and at least this long between two scale events of one direction.
+    upscale_delay_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)
+    downscale_delay_s: float = Field(default=600.0, ge=0, allow_inf_nan=False)
+    # The load is averaged over this window (noise is not a trend).
+    look_back_s: float = Field(default=10.0, gt=0, allow_inf_nan=False)
+    # A replica being removed finishes its streams for up to drain_s; streams still
+    # running then end in-band, billed for the tokens they produced.
+    drain_s: float = Field(default=300.0, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscale:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas = {self.min_replicas} is more than max_replicas = "
+                f"{self.max_replicas}"
+            )
+        return self
+
+
 Placement = Literal["process", "local", "ray"]
 # A pool's name: its replicas are the Ray actors "<pool>/<index>" (tokenmill.replicas.pool).
 POOL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -131,6 +166,8 @@ class ReplicatedDeployment(DeploymentCommon):
     # by every gateway (or Serve cell) that names it, created by the first one to need
     # each (tokenmill.replicas.pool; docs/pools.md).
     pool: str | None = Field(default=None, pattern=POOL_NAME_PATTERN, max_length=64)
+    # Replicas that follow the load (Autoscale); unset: always ``replicas``.
+    autoscale: Autoscale | None = None
 
     def ray_cpus(self) -> float:
         """The CPUs a replica's Ray actor reserves."""
@@ -176,6 +213,36 @@ class ReplicatedDeployment(DeploymentCommon):
             raise ValueError(
                 "a pool's replicas are not unloaded when idle (other gateways may be "
                 "using them): drop idle_unload_s, or stop the pool with 'tokenmill pool stop'"
+            )
+        return v
+
+    @field_validator("autoscale")
+    @classmethod
+    def _autoscale_alone(cls, v: Autoscale | None, info: ValidationInfo) -> Autoscale | None:
+        if v is None:
+            return v
+        placement = info.data.get("placement")
+        if placement == "local":
+            raise ValueError(
+                'autoscale needs replicas of their own (placement = "process" or '
+                '"ray"): a local replica is the gateway\'s own process'
+            )
+        if info.data.get("pool") is not None:
+            raise ValueError(
+                "autoscale is not yet available for a pool (its replicas are shared by "
+                "gateways, which would each decide): scale the pool's deployment without "
+                "'pool', or drop autoscale"
+            )
+        if info.data.get("idle_unload_s") is not None:
+            raise ValueError(
+                "autoscale replaces idle_unload_s: min_replicas = 0 unloads the last "
+                "replica after downscale_delay_s without requests; drop idle_unload_s"
+            )
+        replicas = info.data.get("replicas")
+        if replicas is not None and not v.min_replicas <= replicas <= v.max_replicas:
+            raise ValueError(
+                f"replicas = {replicas} (the count autoscale starts with) is outside "
+                f"min_replicas..max_replicas ({v.min_replicas}..{v.max_replicas})"
             )
         return v
 
@@ -312,6 +379,18 @@ class UpstreamDeployment(DeploymentCommon):
     # for admission and the credit hold, and completions when the upstream reports no
     # usage; without it both are estimated from the text (about 4 characters a token).
     tokenizer: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_replicas(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in ("autoscale", "replicas"):
+                if key in data:
+                    raise ValueError(
+                        f"'{key}' is not for an upstream deployment: it is one endpoint "
+                        "that tokenmill does not run (scale the upstream server itself)"
+                    )
+        return data
 
     @field_validator("url")
     @classmethod

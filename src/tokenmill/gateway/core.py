@@ -131,6 +131,7 @@ class RequestStream:
                 output = bool(chunk.text or chunk.tool_calls)  # an upstream's calls too
                 if rec.ttft_s is None and (output or chunk.finish_reason):
                     rec.ttft_s = now - rec.started
+                    self._replica.first_tokens.add(now, rec.ttft_s)
                     if stream.marks is not None:  # the replica's own, and when read
                         rec.marks.update(stream.marks)
                     else:  # a replica on another clock sent none

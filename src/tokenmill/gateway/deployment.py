@@ -27,15 +27,17 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.config import DeploymentConfig
+from tokenmill.config import Autoscale, DeploymentConfig
 from tokenmill.errors import OverloadedError, ReplicaFullError, UnavailableError
 from tokenmill.gateway.admission import Admission
+from tokenmill.gateway.autoscale import FirstTokens, Phase
 from tokenmill.gateway.idle import QUIET_S, batch_room
 from tokenmill.gateway.moves import KvMoves
 from tokenmill.gateway.prefix import PrefixIndex, Tier
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
 from tokenmill.gateway.routing.cache_aware import MOVE_MIN_TOKENS, PREFILL_S
 from tokenmill.gateway.routing.speed import Speed
+from tokenmill.gateway.scaling import Scaler
 from tokenmill.kvblocks import BLOCK_TOKENS, BlockSnapshot, CacheEvent, chain
 from tokenmill.replicas import ADMITTING, ReplicaHost, ReplicaState, build_host
 
@@ -62,13 +64,18 @@ class Replica:
         self.last_used = time.monotonic()
         self.touched = self.last_used  # last used outside routing (tokenizing, preparing)
         self.speed = Speed()  # measured from its streams (RequestStream)
+        # "active": counted and routed to; "draining": finishing its streams before it
+        # stops; "off": an autoscaled deployment's spare (tokenmill.gateway.scaling).
+        self.phase: Phase = "active"
+        # The deployment's recent first tokens, which the autoscaler watches.
+        self.first_tokens = FirstTokens()
 
     @property
     def state(self) -> ReplicaState:
         return self.host.state
 
     def serving(self) -> bool:
-        return self.host.state == "ready"
+        return self.phase == "active" and self.host.state == "ready"
 
     def looks_full(self, weight: int) -> bool:
         """A shared replica's last report leaves no room for ``weight`` slots."""
@@ -83,7 +90,7 @@ class Replica:
 
     def available(self) -> bool:
         """Counts toward the deployment's capacity: serving, or loads on demand."""
-        return self.host.state in ADMITTING
+        return self.phase == "active" and self.host.state in ADMITTING
 
     def describe(self) -> dict[str, Any]:
         h = self.host.health()
@@ -93,6 +100,7 @@ class Replica:
             "host": self.host.kind,
             "pid": where.pid,
             "state": self.host.state,
+            "phase": self.phase,
             "in_flight": self.in_flight,
             "queued": h.waiting,
             "slots": self.slots,
@@ -130,12 +138,21 @@ class Deployment:
     ) -> None:
         self.config = config
         self.id = config.id
+        autoscale: Autoscale | None = getattr(config, "autoscale", None)
+        initial = getattr(config, "replicas", 1)
         if hosts is None:
-            n = getattr(config, "replicas", 1)
+            # Autoscaled: every replica it may run, the spares off until wanted.
+            n = initial if autoscale is None else autoscale.max_replicas
             hosts = [build_host(config, ray_address=ray_address, index=i) for i in range(n)]
         slots = config.max_num_seqs
         self.pool: str | None = getattr(config, "pool", None)
         self.replicas = [Replica(self.id, i, h, slots, self.pool) for i, h in enumerate(hosts)]
+        self.first_tokens = FirstTokens()
+        for replica in self.replicas:
+            replica.first_tokens = self.first_tokens
+            if autoscale is not None and replica.index >= initial:
+                replica.phase = "off"
+        self.scaler = None if autoscale is None else Scaler(self, autoscale, initial)
         self.admission = Admission(
             capacity=sum(r.slots for r in self.replicas),
             max_queue=config.max_queue,
@@ -169,11 +186,16 @@ class Deployment:
         if self.config.idle_unload_s is not None:
             self._idle.task = asyncio.create_task(self._unload_idle())
             return  # replicas load on first request
-        await asyncio.gather(*(r.host.start() for r in self.replicas))
+        await asyncio.gather(*(r.host.start() for r in self.replicas if r.phase == "active"))
+        self.refresh_capacity()
+        if self.scaler is not None:
+            self.scaler.begin()
 
     async def close(self) -> None:
         if self._idle.task is not None:
             self._idle.task.cancel()
+        if self.scaler is not None:
+            await self.scaler.close()
         await asyncio.gather(*(r.host.close() for r in self.replicas), return_exceptions=True)
 
     async def serving(self) -> list[Replica]:
@@ -181,19 +203,20 @@ class Deployment:
         ``UnavailableError`` when none is."""
         ready = [r for r in self.replicas if r.serving()]
         if not ready:
-            if all(r.state == "unloaded" for r in self.replicas):
+            active = [r for r in self.replicas if r.phase == "active"]
+            if active and all(r.state == "unloaded" for r in active):
                 async with self._load_lock:
                     try:
                         await asyncio.gather(
-                            *(r.host.start() for r in self.replicas if r.state == "unloaded")
+                            *(r.host.start() for r in active if r.state == "unloaded")
                         )
                     finally:
                         self.refresh_capacity()
-                ready = [r for r in self.replicas if r.state == "ready"]
+                ready = [r for r in self.replicas if r.serving()]
                 for r in ready:
                     r.touched = time.monotonic()  # loaded for a request: not idle yet
             if not ready:
-                states = ", ".join(r.state for r in self.replicas)
+                states = ", ".join(r.state for r in self.replicas if r.phase != "off")
                 raise UnavailableError(
                     f"deployment {self.id!r} has no ready replica ({states}); retry shortly"
                 )
@@ -347,7 +370,7 @@ class Deployment:
         """How many more Batch API lines may start here now (:mod:`~tokenmill.gateway.
         idle`); ``own``: lines the caller already started. An idle-unloaded deployment
         takes one, which loads it."""
-        if own == 0 and all(r.state == "unloaded" for r in self.replicas):
+        if own == 0 and all(r.state == "unloaded" for r in self.replicas if r.phase == "active"):
             return 1
         waiting = self.admission.waiting + self._placing
         busy = time.monotonic() - self.admission.last_urgent < QUIET_S
@@ -368,6 +391,21 @@ class Deployment:
             log.info("deployment %s: capacity %d slots", self.id, capacity)
             self.admission.resize(capacity)
         self._wake()
+
+    def ongoing(self) -> float:
+        """Requests holding or waiting for its slots, Batch API lines among them: what
+        the autoscaler sizes the replicas for."""
+        return self.admission.active + self.admission.waiting + self._placing
+
+    async def unload(self, replica: Replica) -> None:
+        """Stop ``replica`` where it stands, idle: it stays ``unloaded`` and counted, and
+        the next request loads it again (:meth:`serving`)."""
+        async with self._load_lock:
+            if replica.in_flight or self.preparing:  # a request came meanwhile
+                return
+            log.info("unloading idle replica %s/%d", self.id, replica.index)
+            await replica.host.close()
+            self.refresh_capacity()
 
     def _changed(self, index: int) -> Callable[[], None]:
         def changed() -> None:
@@ -406,10 +444,7 @@ class Deployment:
                     and not self.preparing
                     and idle_s > limit
                 ):
-                    async with self._load_lock:
-                        log.info("unloading idle replica %s/%d", self.id, r.index)
-                        await r.host.close()
-                        self.refresh_capacity()
+                    await self.unload(r)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -420,6 +455,8 @@ class Deployment:
             "in_flight": sum(r.in_flight for r in self.replicas),
             "queued": self.admission.waiting + self._placing,
             "replicas": [r.describe() for r in self.replicas],
+            # Replicas that follow the load (docs/autoscaling.md); absent: fixed.
+            **({} if self.scaler is None else {"autoscale": self.scaler.describe()}),
             "admission": self.config.admission,
             # Who waits and runs here, and the share each is owed (docs/fairness.md).
             "accounts": [dataclasses.asdict(v) for v in self.admission.accounts()],

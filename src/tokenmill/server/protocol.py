@@ -87,6 +87,9 @@ class ReplicaInfo(BaseModel):
     node_id: str | None = None
     node_address: str | None = None
     state: Literal["unloaded", "loading", "ready", "restarting", "unhealthy"]
+    # "active" serves; "draining" finishes its streams before it stops; "off" is an
+    # autoscaled deployment's spare (docs/autoscaling.md).
+    phase: Literal["active", "draining", "off"] = "active"
     in_flight: int
     queued: int
     slots: int
@@ -106,6 +109,27 @@ class AccountShare(_Response):
     share: float
 
 
+class ScaleEventInfo(BaseModel):
+    at: float  # Unix time
+    direction: Literal["up", "down"]
+    replicas_from: int
+    replicas_to: int
+    ongoing: float
+    ttft_p90_s: float | None
+
+
+class AutoscaleInfo(BaseModel):
+    """An autoscaled deployment's bounds, the count it wants now, and its last changes."""
+
+    min_replicas: int
+    max_replicas: int
+    desired_replicas: int
+    target_ongoing_requests: float
+    target_ttft_p90_s: float | None
+    replica_seconds: float
+    events: list[ScaleEventInfo]
+
+
 class DeploymentInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
     id: str
@@ -117,6 +141,7 @@ class DeploymentInfo(BaseModel):
     replicas: list[ReplicaInfo]
     admission: Literal["fair", "fifo"] = "fair"
     accounts: list[AccountShare] = []
+    autoscale: AutoscaleInfo | None = None
 
 
 class DeploymentList(_Response):
