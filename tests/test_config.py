@@ -318,6 +318,40 @@ def test_cli_model_flag_builds_a_llamacpp_section(
         ("price = { prompt_per_mtok = -1 }", "deployments.0.price.prompt_per_mtok: "),
         ("batch_discount = 1", "deployments.0.batch_discount: Input should be less than 1"),
         ("batch_share = 0", "deployments.0.batch_share: Input should be greater than 0"),
+        (
+            "autoscale = { min_replicas = 3, max_replicas = 2 }",
+            "deployments.0.autoscale: min_replicas = 3 is more than max_replicas = 2",
+        ),
+        (
+            "autoscale = { max_replicas = 2, target_ongoing_requests = 0 }",
+            "deployments.0.autoscale.target_ongoing_requests: Input should be greater than 0",
+        ),
+        (
+            "autoscale = { max_replicas = 2, target_ttft_p90_s = 0 }",
+            "deployments.0.autoscale.target_ttft_p90_s: Input should be greater than 0",
+        ),
+        ("autoscale = { min_replicas = 1 }", "deployments.0.autoscale.max_replicas: "),
+        (
+            "replicas = 3\nautoscale = { max_replicas = 2 }",
+            "deployments.0.autoscale: replicas = 3 (the count autoscale starts "
+            "with) is outside min_replicas..max_replicas (1..2)",
+        ),
+        (
+            "idle_unload_s = 60\nautoscale = { max_replicas = 2 }",
+            "deployments.0.autoscale: autoscale replaces idle_unload_s",
+        ),
+        (
+            'placement = "local"\nautoscale = { max_replicas = 2 }',
+            "deployments.0.autoscale: autoscale needs replicas of their own",
+        ),
+        (
+            'placement = "ray"\npool = "p"\nautoscale = { max_replicas = 2 }',
+            "deployments.0.autoscale: autoscale is not yet available for a pool",
+        ),
+        (
+            "autoscale = { max_replicas = 2, colour = 1 }",
+            "deployments.0.autoscale.colour: unknown key",
+        ),
     ],
     ids=[
         "model",
@@ -328,6 +362,15 @@ def test_cli_model_flag_builds_a_llamacpp_section(
         "price",
         "batch-discount",
         "batch-share",
+        "autoscale-bounds",
+        "autoscale-target-zero",
+        "autoscale-ttft-zero",
+        "autoscale-no-max",
+        "autoscale-start-outside",
+        "autoscale-idle-unload",
+        "autoscale-local",
+        "autoscale-pool",
+        "autoscale-unknown",
     ],
 )
 def test_error_locations_leave_out_the_engine_tag(tmp_path: Path, keys: str, expect: str) -> None:
@@ -356,6 +399,11 @@ def test_error_locations_leave_out_the_engine_tag(tmp_path: Path, keys: str, exp
             "deployments.0.isolated: 'isolated' is for llamacpp and scripted deployments",
         ),
         (
+            'engine = "upstream"\nurl = "' + NOWHERE + '"\nautoscale = { max_replicas = 2 }',
+            "deployments.0.autoscale: 'autoscale' is for llamacpp and scripted deployments, "
+            "not upstream",
+        ),
+        (
             'engine = "scripted"\ncontrol = "/x"\nmodel = "m.gguf"',
             "deployments.0.model: 'model' is for llamacpp deployments, not scripted",
         ),
@@ -366,6 +414,7 @@ def test_error_locations_leave_out_the_engine_tag(tmp_path: Path, keys: str, exp
         "url-on-llamacpp",
         "replicas-on-upstream",
         "isolated-on-upstream",
+        "autoscale-on-upstream",
         "model-on-scripted",
     ],
 )

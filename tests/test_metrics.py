@@ -32,6 +32,10 @@ GAUGES = (
     "tokenmill_num_requests_running",
     "tokenmill_num_requests_waiting",
     "tokenmill_kv_cache_usage_perc",
+    "tokenmill_replicas_desired",
+    "tokenmill_replicas",
+    "tokenmill_queue_depth",
+    "tokenmill_slot_usage_perc",
 )
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -268,6 +272,13 @@ def test_load_gauges_and_overload(
     assert val(during, "tokenmill_num_requests_running") == 1
     assert val(during, "tokenmill_num_requests_waiting") == 1
     assert val(during, "tokenmill_kv_cache_usage_perc") == (len(prompt.split()) + emitted) / n_ctx
+    # What an autoscaler outside tokenmill scales on (docs/autoscaling.md).
+    assert val(during, "tokenmill_queue_depth", **{"class": "default"}) == 1
+    assert val(during, "tokenmill_queue_depth", **{"class": "interactive"}) == 0
+    assert val(during, "tokenmill_slot_usage_perc") == 1.0
+    assert val(during, "tokenmill_replicas_desired") == 1
+    assert val(during, "tokenmill_replicas", phase="active", serving="true") == 1
+    assert val(after, "tokenmill_queue_depth", **{"class": "default"}) == 0
     assert val(after, "tokenmill_request_errors_total", code="overloaded") == 1
     assert val(after, "tokenmill_request_queue_time_seconds_count") == 2
     # The queued request's wait was measured (how long it was is up to the machine).

@@ -331,6 +331,49 @@ class _LoadCollector(Collector):
         yield from families
         yield from self._kv_families()
         yield from self._move_families()
+        yield from self._scaling_families()
+
+    def _scaling_families(self) -> Iterator[Metric]:
+        """What an autoscaler outside tokenmill (KEDA, an HPA) scales on, and what
+        tokenmill's own decided (docs/autoscaling.md)."""
+        desired = GaugeMetricFamily(
+            "tokenmill_replicas_desired",
+            "Replicas the deployment wants now: its autoscaler's decision, or its fixed "
+            "replica count.",
+            labels=["deployment"],
+        )
+        replicas = GaugeMetricFamily(
+            "tokenmill_replicas",
+            "The deployment's replicas by phase (active, draining, off) and whether they "
+            "serve now.",
+            labels=["deployment", "phase", "serving"],
+        )
+        queued = GaugeMetricFamily(
+            "tokenmill_queue_depth",
+            "Requests waiting in the deployment's admission queue, by priority class.",
+            labels=["deployment", "class"],
+        )
+        slots = GaugeMetricFamily(
+            "tokenmill_slot_usage_perc",
+            "Fraction of the deployment's admitted slots in use (0 to 1; above 1 while "
+            "draining replicas finish streams).",
+            labels=["deployment"],
+        )
+        for dep_id, dep in self.gateway.deployments.items():
+            wanted = dep.scaler.desired if dep.scaler is not None else len(dep.replicas)
+            desired.add_metric([dep_id], wanted)
+            counts: dict[tuple[str, str], int] = {}
+            for r in dep.replicas:
+                key = (r.phase, str(r.serving()).lower())
+                counts[key] = counts.get(key, 0) + 1
+            for (phase, serving), n in sorted(counts.items()):
+                replicas.add_metric([dep_id, phase, serving], n)
+            by_class = dep.admission.waiting_by_class()
+            for klass in ("interactive", "default", "batch"):
+                queued.add_metric([dep_id, klass], by_class.get(klass, 0))
+            capacity = dep.admission.capacity
+            slots.add_metric([dep_id], dep.admission.active / capacity if capacity else 0.0)
+        yield from (desired, replicas, queued, slots)
 
     def _move_families(self) -> Iterator[Metric]:
         """KV state moved between each deployment's replicas (tokenmill.gateway.moves)."""

@@ -380,18 +380,6 @@ class UpstreamDeployment(DeploymentCommon):
     # usage; without it both are estimated from the text (about 4 characters a token).
     tokenizer: str | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _no_replicas(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key in ("autoscale", "replicas"):
-                if key in data:
-                    raise ValueError(
-                        f"'{key}' is not for an upstream deployment: it is one endpoint "
-                        "that tokenmill does not run (scale the upstream server itself)"
-                    )
-        return data
-
     @field_validator("url")
     @classmethod
     def _openai_base(cls, v: str) -> str:

@@ -76,6 +76,13 @@ class Admission:
     def waiting(self) -> int:
         return len(self._queue)
 
+    def waiting_by_class(self) -> dict[str, int]:
+        """Requests queued, by the priority class they asked for."""
+        counts: dict[str, int] = {}
+        for entry in self._queue:
+            counts[entry.tenant.priority] = counts.get(entry.tenant.priority, 0) + 1
+        return counts
+
     def accounts(self) -> list[AccountView]:
         return self._queue.accounts()
 

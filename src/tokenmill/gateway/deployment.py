@@ -67,6 +67,9 @@ class Replica:
         # "active": counted and routed to; "draining": finishing its streams before it
         # stops; "off": an autoscaled deployment's spare (tokenmill.gateway.scaling).
         self.phase: Phase = "active"
+        # Started by the autoscaler and not ready yet: its slots join admission only
+        # when it serves (requests wait in the queue meanwhile, not on its inbox).
+        self.joining = False
         # The deployment's recent first tokens, which the autoscaler watches.
         self.first_tokens = FirstTokens()
 
@@ -90,6 +93,8 @@ class Replica:
 
     def available(self) -> bool:
         """Counts toward the deployment's capacity: serving, or loads on demand."""
+        if self.joining:
+            return False
         return self.phase == "active" and self.host.state in ADMITTING
 
     def describe(self) -> dict[str, Any]:
@@ -205,6 +210,8 @@ class Deployment:
         if not ready:
             active = [r for r in self.replicas if r.phase == "active"]
             if active and all(r.state == "unloaded" for r in active):
+                if self.scaler is not None:  # up from zero: this request is the load
+                    self.scaler.observe(time.monotonic())
                 async with self._load_lock:
                     try:
                         await asyncio.gather(
@@ -387,6 +394,9 @@ class Deployment:
     def refresh_capacity(self) -> None:
         """Admit against the slots of the replicas that can serve right now."""
         capacity = sum(r.slots for r in self.replicas if r.available())
+        # A draining replica's streams hold admission slots that are not the staying
+        # replicas': counted beside them until each ends (tokenmill.gateway.scaling).
+        capacity += sum(r.in_flight for r in self.replicas if r.phase == "draining")
         if capacity != self.admission.capacity:
             log.info("deployment %s: capacity %d slots", self.id, capacity)
             self.admission.resize(capacity)

@@ -104,9 +104,22 @@ class Scaler:
 
     def tick(self, now: float) -> None:
         dep = self.deployment
+        desired = self.observe(now)
+        plan = reconcile(desired, [self._slot(r, now) for r in dep.replicas])
+        for i in plan.retire:
+            self._retire(dep.replicas[i], now)
+        for i in plan.start:
+            self._start(dep.replicas[i])
+        for i in plan.drain:
+            self._drain(dep.replicas[i])
+
+    def observe(self, now: float) -> int:
+        """Sample the load and ask the policy: the desired count. Also called when a
+        request finds no replica loaded (at zero), which it then loads itself."""
+        dep = self.deployment
         if self._last_tick is not None:
             running = sum(1 for r in dep.replicas if r.state not in ("unloaded", "unhealthy"))
-            self.replica_seconds += running * (now - self._last_tick)
+            self.replica_seconds += running * max(0.0, now - self._last_tick)
         self._last_tick = now
         sample = LoadSample(now, dep.ongoing(), dep.first_tokens.p90(now - self.config.look_back_s))
         before = self.policy.desired
@@ -120,13 +133,7 @@ class Scaler:
                 sample.ongoing,
                 "-" if sample.ttft_p90_s is None else f"{sample.ttft_p90_s:.3f}s",
             )
-        plan = reconcile(desired, [self._slot(r, now) for r in dep.replicas])
-        for i in plan.retire:
-            self._retire(dep.replicas[i], now)
-        for i in plan.start:
-            self._start(dep.replicas[i])
-        for i in plan.drain:
-            self._drain(dep.replicas[i])
+        return desired
 
     def _slot(self, r: Replica, now: float) -> ReplicaSlot:
         job = self._jobs.get(r.index)
@@ -160,8 +167,8 @@ class Scaler:
             self.deployment.refresh_capacity()
             return
         r.phase = "active"
+        r.joining = True
         r.touched = time.monotonic()
-        self.deployment.refresh_capacity()
         self._job(r, self._load(r))
 
     async def _load(self, r: Replica) -> None:
@@ -170,6 +177,7 @@ class Scaler:
         except Exception as e:  # unhealthy now: the next tick retires it
             log.warning("deployment %s: replica %d did not start: %s", r.deployment_id, r.index, e)
         finally:
+            r.joining = False
             self.deployment.refresh_capacity()
 
     def _drain(self, r: Replica) -> None:
@@ -190,8 +198,12 @@ class Scaler:
     async def _finish_drain(self, r: Replica) -> None:
         dep = self.deployment
         deadline = time.monotonic() + self.config.drain_s
-        while r.in_flight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
+        running = r.in_flight
+        while r.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
+            if r.in_flight != running:  # its slots leave admission as its streams end
+                running = r.in_flight
+                dep.refresh_capacity()
         if r.in_flight > 0:
             log.warning(
                 "deployment %s: replica %d still ran %d stream(s) after the %gs drain; "
