@@ -366,3 +366,52 @@ def test_kvcluster_runs_in_a_plain_make_bench_and_marks_the_issue_targets() -> N
     assert "0.21x llama-server's" in got["met"]
     # 10 of 12 (83 %); 600 against 1000 ms.
     assert marks(got["not_met"]) == ["MISS", "MISS"], got["not_met"]
+
+
+def test_autoscale_runs_in_a_plain_make_bench_and_marks_the_issue_targets() -> None:
+    got = bench_python(
+        """
+        import json
+        from run import chosen, parser
+        from scenarios.autoscale import report
+
+        def names(*argv):
+            scenarios, out = chosen(parser().parse_args(list(argv)))
+            return [s.name for s in scenarios], out
+
+        settings = {"low": 1, "high": 12, "tokens": 32, "before_s": 30.0, "high_s": 40.0,
+                    "after_s": 50.0, "slots": 4, "load_s": 2.0, "max_replicas": 4,
+                    "up_delay": 1.0, "down_delay": 10.0}
+        books = {"debit": 10, "by_usage": 10, "held": 0, "exact": True}
+
+        def run(p90, replica_s, failed=0, events=()):
+            return {"requests": 100, "failed": failed, "step_requests": 80,
+                    "ttft_step_p50_ms": p90 / 2, "ttft_step_p90_ms": p90,
+                    "replica_seconds": replica_s, "scale_events": list(events), "books": books}
+
+        def event(at, direction, a, b):
+            return {"at": at, "direction": direction, "replicas_from": a, "replicas_to": b}
+
+        def section(auto_p90, auto_s, events):
+            return {"settings": settings, "fixed_1": run(3000.0, 120.0),
+                    "fixed_max": run(60.0, 480.0), "autoscaled": run(auto_p90, auto_s, 0, events)}
+
+        calm = [event(31.0, "up", 1, 4), event(81.0, "down", 4, 1)]
+        flapping = [event(31.0, "up", 1, 2), event(31.5, "up", 2, 4), event(81.0, "down", 4, 1)]
+        print(json.dumps({
+            "plain": names(),
+            "only": names("--only-autoscale"),
+            "met": report(section(80.0, 270.0, calm)),
+            "not_met": report(section(100.0, 300.0, flapping)),
+        }))
+        """
+    )
+    assert "autoscale" in got["plain"][0]
+    assert got["only"] == [["autoscale"], "autoscale.json"]
+    met = [line for line in got["met"].splitlines() if line.startswith("  [")]
+    assert met and all(line.startswith("  [ok]") for line in met), got["met"]
+    missed = [line for line in got["not_met"].splitlines() if "[MISSED]" in line]
+    assert len(missed) == 3, got["not_met"]
+    assert any("TTFT p90" in line for line in missed)
+    assert any("replica-seconds" in line for line in missed)
+    assert any("one scale event per direction" in line for line in missed)

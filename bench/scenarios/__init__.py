@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from scenario import Scenario
 
-from . import batch, constrained, fairness, kvcluster, kvtier, logprobs, ray, routing, versus
+from . import (
+    autoscale,
+    batch,
+    constrained,
+    fairness,
+    kvcluster,
+    kvtier,
+    logprobs,
+    ray,
+    routing,
+    versus,
+)
 
 SCENARIOS: tuple[Scenario, ...] = (
     versus.SCENARIO,
@@ -20,4 +31,5 @@ SCENARIOS: tuple[Scenario, ...] = (
     kvtier.SCENARIO,
     kvcluster.SCENARIO,
     batch.SCENARIO,
+    autoscale.SCENARIO,
 )

@@ -12,8 +12,9 @@ from contextlib import ExitStack
 from typing import Any
 
 import httpx
+import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import RayCluster, ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
 from tests.ledger.helpers import (
     ADMIN_KEY,
@@ -37,13 +38,16 @@ def serve(
     start_server: Callable[..., ServerProcess],
     driver: EngineDriver,
     prefix: str = "",
+    keys: dict[str, object] | None = None,
     **autoscale: float,
 ) -> tuple[ServerProcess, str, str]:
-    """A priced, autoscaled scripted deployment; a funded account and its key."""
-    config = prefix + scripted_deployment(driver, max_num_seqs=2, queue_timeout_s=HANG_S)
+    """A priced, autoscaled scripted deployment (``keys``: more of its keys, ``prefix``:
+    top-level lines); a funded account and its key."""
+    table: dict[str, object] = {"max_num_seqs": 2, "queue_timeout_s": HANG_S, **(keys or {})}
+    config = prefix + scripted_deployment(driver, "scripted", **table)
     config += f"[deployments.price]\nprompt_per_mtok = {PRICE.prompt_per_mtok}\n"
     config += f"completion_per_mtok = {PRICE.completion_per_mtok}\n"
-    keys = {
+    scaling = {
         "min_replicas": 1,
         "max_replicas": 2,
         "target_ongoing_requests": 2,
@@ -52,7 +56,7 @@ def serve(
         "look_back_s": 0.01,
         **autoscale,
     }
-    config += "[deployments.autoscale]\n" + "".join(f"{k} = {v}\n" for k, v in keys.items())
+    config += "[deployments.autoscale]\n" + "".join(f"{k} = {v}\n" for k, v in scaling.items())
     srv = start_server(config=config, env={"TOKENMILL_ADMIN_KEY": ADMIN_KEY})
     with admin(srv.url) as a:
         acct = new_account(a, "scaled", BALANCE)
@@ -82,10 +86,19 @@ def open_stream(stack: ExitStack, c: httpx.Client, rid: str) -> Any:
     return r
 
 
+@pytest.mark.parametrize("placement", ["process", "ray"])
 def test_queued_load_adds_a_replica_and_a_stream_on_the_one_removed_finishes_billed(
-    start_server: Callable[..., ServerProcess], driver: EngineDriver
+    start_server: Callable[..., ServerProcess],
+    driver: EngineDriver,
+    placement: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    srv, acct, key = serve(start_server, driver, drain_s=HANG_S)
+    prefix, keys = "", {}
+    if placement == "ray":  # a new replica is a new actor on the test's cluster
+        cluster: RayCluster = request.getfixturevalue("ray_cluster")
+        prefix = f"ray_address = {cluster.address!r}\n"
+        keys = {"placement": "ray", "ray_num_cpus": 0.5}
+    srv, acct, key = serve(start_server, driver, prefix, keys, drain_s=HANG_S)
     with ExitStack() as stack, user(srv.url, key) as c:
         assert phases(c) == [("active", "ready"), ("off", "unloaded")]
         streams = {}
@@ -166,7 +179,7 @@ def test_at_zero_replicas_the_next_request_loads_one_with_pings_while_it_waits(
     start_server: Callable[..., ServerProcess], driver: EngineDriver
 ) -> None:
     srv, _, key = serve(
-        start_server, driver, prefix="stream_keepalive_s = 0.05\n", min_replicas=0, max_replicas=1
+        start_server, driver, "stream_keepalive_s = 0.05\n", min_replicas=0, max_replicas=1
     )
     with ExitStack() as stack, user(srv.url, key) as c:
         # Started with one replica; idle, it goes.

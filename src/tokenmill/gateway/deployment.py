@@ -157,7 +157,7 @@ class Deployment:
             replica.first_tokens = self.first_tokens
             if autoscale is not None and replica.index >= initial:
                 replica.phase = "off"
-        self.scaler = None if autoscale is None else Scaler(self, autoscale, initial)
+        self.scaler = None if autoscale is None else Scaler(self, autoscale, slots, initial)
         self.admission = Admission(
             capacity=sum(r.slots for r in self.replicas),
             max_queue=config.max_queue,

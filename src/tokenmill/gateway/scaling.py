@@ -27,21 +27,57 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from tokenmill.config import Autoscale
 from tokenmill.gateway.autoscale import (
+    FirstTokens,
     LoadSample,
+    Phase,
     ReplicaSlot,
     ScaleEvent,
     ScalePolicy,
     ScaleTargets,
     reconcile,
 )
+from tokenmill.gateway.prefix import PrefixIndex
 from tokenmill.kvblocks import BLOCK_TOKENS
+from tokenmill.replicas import ReplicaHost, ReplicaState
 
-if TYPE_CHECKING:
-    from tokenmill.gateway.deployment import Deployment, Replica
+
+class Replica(Protocol):
+    """What the scaler reads and sets of a replica (gateway.deployment.Replica)."""
+
+    index: int
+    deployment_id: str
+    host: ReplicaHost
+    phase: Phase
+    joining: bool
+    in_flight: int
+    touched: float
+
+    @property
+    def state(self) -> ReplicaState: ...
+
+
+class Deployment(Protocol):
+    """What the scaler reads and drives of its deployment (gateway.deployment)."""
+
+    id: str
+    preparing: int
+    prefixes: PrefixIndex
+    first_tokens: FirstTokens
+
+    @property
+    def replicas(self) -> Sequence[Replica]: ...
+
+    def ongoing(self) -> float: ...
+
+    def refresh_capacity(self) -> None: ...
+
+    async def unload(self, replica: Any) -> None: ...
+
 
 log = logging.getLogger("tokenmill.gateway.scaling")
 
@@ -66,10 +102,10 @@ def targets(config: Autoscale, slots: int) -> ScaleTargets:
 
 
 class Scaler:
-    def __init__(self, deployment: Deployment, config: Autoscale, initial: int) -> None:
+    def __init__(self, deployment: Deployment, config: Autoscale, slots: int, initial: int) -> None:
         self.deployment = deployment
         self.config = config
-        self.policy = ScalePolicy(targets(config, deployment.config.max_num_seqs), initial)
+        self.policy = ScalePolicy(targets(config, slots), initial)
         self._task: asyncio.Task[None] | None = None
         self._jobs: dict[int, asyncio.Task[None]] = {}  # a start or a drain, per replica
         self._failed_at: dict[int, float] = {}
