@@ -169,6 +169,10 @@ class ReplicatedDeployment(DeploymentCommon):
     # Replicas that follow the load (Autoscale); unset: always ``replicas``.
     autoscale: Autoscale | None = None
 
+    def most_replicas(self) -> int:
+        """The most replicas it runs at once: ``autoscale.max_replicas``, or ``replicas``."""
+        return self.replicas if self.autoscale is None else self.autoscale.max_replicas
+
     def ray_cpus(self) -> float:
         """The CPUs a replica's Ray actor reserves."""
         return 1.0 if self.ray_num_cpus is None else self.ray_num_cpus

@@ -264,10 +264,12 @@ class LlamaCppEngine:
     @classmethod
     def from_config(cls, config: LlamaCppDeployment) -> LlamaCppEngine:
         n_threads = config.n_threads
-        if n_threads is None and config.replicas > 1 and config.placement != "ray":
+        most = config.most_replicas()
+        if n_threads is None and most > 1 and config.placement != "ray":
             # Replicas of one deployment share this host's cores; oversubscribed
             # llama.cpp thread pools spin against each other and every replica slows.
-            n_threads = max(1, available_cpus() // config.replicas)
+            # Autoscaled: sized for the most it may run.
+            n_threads = max(1, available_cpus() // most)
         return cls(
             config.model,
             max_num_seqs=config.max_num_seqs,
