@@ -345,8 +345,9 @@ def test_cli_model_flag_builds_a_llamacpp_section(
             "deployments.0.autoscale: autoscale needs replicas of their own",
         ),
         (
-            'placement = "ray"\npool = "p"\nautoscale = { max_replicas = 2 }',
-            "deployments.0.autoscale: autoscale is not yet available for a pool",
+            'placement = "ray"\npool = "p"\nautoscale = { min_replicas = 0, max_replicas = 2 }',
+            "deployments.0.autoscale: a pool's replicas are shared by gateways and never all "
+            "stopped: min_replicas must be at least 1 with a pool",
         ),
         (
             "autoscale = { max_replicas = 2, colour = 1 }",

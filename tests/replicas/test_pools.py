@@ -275,3 +275,74 @@ def test_both_gateways_of_a_pool_see_what_its_replicas_parked(
         assert cached >= body["usage"]["prompt_tokens"], (t, again["usage"])
         tiers.append(route["tier"])
     assert "host" in tiers and set(tiers) <= {"slot", "host"}, tiers
+
+
+def scaled_pool(driver: EngineDriver, cluster: RayCluster, pool: str) -> str:
+    """A pool of one replica of one slot, autoscaled to 2 at one request a replica."""
+    autoscale = (
+        "[deployments.autoscale]\nmin_replicas = 1\nmax_replicas = 2\n"
+        "target_ongoing_requests = 1\nupscale_delay_s = 0\ndownscale_delay_s = 0\n"
+        "look_back_s = 0.01\n"
+    )
+    return pooled(driver, cluster, pool, replicas=1) + autoscale
+
+
+def test_two_gateways_of_an_autoscaled_pool_scale_it_by_one_decision(
+    pool: str,
+    driver: EngineDriver,
+    ray_cluster: RayCluster,
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    config = scaled_pool(driver, ray_cluster, pool)
+    gw_a, gw_b = start_server(config=config), start_server(config=config)
+    with ExitStack() as stack:
+        a = stack.enter_context(httpx.Client(base_url=gw_a.url, timeout=HANG_S))
+        b = stack.enter_context(httpx.Client(base_url=gw_b.url, timeout=HANG_S))
+        streams = {}
+        for c, rid in ((a, "a1"), (b, "b1")):
+            r = stack.enter_context(
+                c.stream("POST", "/v1/completions", json=body(9), headers={"x-request-id": rid})
+            )
+            streams[rid] = events(r)
+        # One request at each gateway: each alone is within its one replica's target,
+        # together they are two. The pool's scaler sums them: one more replica, started
+        # once (one new engine) and used by both gateways.
+        driver.started("a1")
+        driver.started("b1")
+        assert driver.pid("a1") != driver.pid("b1")
+        assert driver.seen("hello") == 2
+        for c in (a, b):
+            scaled = c.get("/v1/deployments/scripted").json()["autoscale"]
+            assert scaled["desired_replicas"] == 2
+            assert [(e["replicas_from"], e["replicas_to"]) for e in scaled["events"]] == [(1, 2)]
+        assert f'"{pool}/1"' in pool_cli(ray_cluster, "list").stdout
+        # a1 holds replica 0's only slot: b1 waited for the new replica 1.
+        pids = [pid for pid, _ in where(a)]
+        assert pids == [driver.pid("a1"), driver.pid("b1")] and where(b) == where(a)
+
+        # a1 ends: one request in all, one replica. Both gateways drain the same one,
+        # the newest, which b1 runs on: it finishes there before the replica goes.
+        driver.emit("a1", 1)
+        driver.finish("a1")
+        assert list(streams["a1"])[-1] == DONE
+        for c in (a, b):
+            wait_until(
+                lambda c=c: [r["phase"] for r in replicas(c)][1] in ("draining", "off") or None,
+                "replica 1 to leave",
+            )
+        driver.emit("b1", 2)
+        driver.finish("b1")
+        b1 = list(streams["b1"])
+        assert b1[-1] == DONE and "".join(text(e) for e in b1 if isinstance(e, dict)) == " w1 w2"
+        # Once neither gateway uses it, the pool's replica 1 is stopped, for both.
+        wait_until(
+            lambda: f'"{pool}/1"' not in pool_cli(ray_cluster, "list").stdout or None,
+            "the pool's replica 1 to be stopped",
+        )
+        for c in (a, b):
+            assert [r["phase"] for r in replicas(c)] == ["active", "off"]
+        with b.stream("POST", "/v1/completions", json=body(1), headers={"x-request-id": "b2"}) as r:
+            tail = events(r)
+            driver.emit("b2", 1)
+            assert list(tail)[-1] == DONE
+        assert driver.pid("b2") == pids[0]

@@ -231,11 +231,10 @@ class ReplicatedDeployment(DeploymentCommon):
                 'autoscale needs replicas of their own (placement = "process" or '
                 '"ray"): a local replica is the gateway\'s own process'
             )
-        if info.data.get("pool") is not None:
+        if info.data.get("pool") is not None and v.min_replicas < 1:
             raise ValueError(
-                "autoscale is not yet available for a pool (its replicas are shared by "
-                "gateways, which would each decide): scale the pool's deployment without "
-                "'pool', or drop autoscale"
+                "a pool's replicas are shared by gateways and never all stopped: "
+                "min_replicas must be at least 1 with a pool"
             )
         if info.data.get("idle_unload_s") is not None:
             raise ValueError(

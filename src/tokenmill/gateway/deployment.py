@@ -38,6 +38,7 @@ from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, policy
 from tokenmill.gateway.routing.cache_aware import MOVE_MIN_TOKENS, PREFILL_S
 from tokenmill.gateway.routing.speed import Speed
 from tokenmill.gateway.scaling import Scaler
+from tokenmill.gateway.scaling import targets as scale_targets
 from tokenmill.kvblocks import BLOCK_TOKENS, BlockSnapshot, CacheEvent, chain
 from tokenmill.replicas import ADMITTING, ReplicaHost, ReplicaState, build_host
 
@@ -157,7 +158,16 @@ class Deployment:
             replica.first_tokens = self.first_tokens
             if autoscale is not None and replica.index >= initial:
                 replica.phase = "off"
-        self.scaler = None if autoscale is None else Scaler(self, autoscale, slots, initial)
+        self.scaler: Scaler | None = None
+        if autoscale is not None:
+            decider = None
+            if self.pool is not None:  # one decision for every gateway of the pool
+                from tokenmill.gateway.poolscale import PoolDecider
+
+                decider = PoolDecider(
+                    self.pool, scale_targets(autoscale, slots), initial, ray_address
+                )
+            self.scaler = Scaler(self, autoscale, slots, initial, decider)
         self.admission = Admission(
             capacity=sum(r.slots for r in self.replicas),
             max_queue=config.max_queue,
@@ -404,8 +414,9 @@ class Deployment:
 
     def ongoing(self) -> float:
         """Requests holding or waiting for its slots, Batch API lines among them: what
-        the autoscaler sizes the replicas for."""
-        return self.admission.active + self.admission.waiting + self._placing
+        the autoscaler sizes the replicas for. (Those waiting for a pool's replica are
+        admitted already: among ``active``.)"""
+        return self.admission.active + self.admission.waiting
 
     async def unload(self, replica: Replica) -> None:
         """Stop ``replica`` where it stands, idle: it stays ``unloaded`` and counted, and

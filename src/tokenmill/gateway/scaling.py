@@ -101,11 +101,85 @@ def targets(config: Autoscale, slots: int) -> ScaleTargets:
     )
 
 
+def unix_events(events: Sequence[ScaleEvent]) -> list[dict[str, Any]]:
+    """Scale events with ``at`` as Unix time (their monotonic time is this process's)."""
+    now_unix, now = time.time(), time.monotonic()
+    return [{**dataclasses.asdict(e), "at": round(now_unix - (now - e.at), 3)} for e in events]
+
+
+class Decider(Protocol):
+    """Who decides the desired count: this gateway alone (:class:`LocalDecider`), or a
+    pool's scaler for all its gateways (:class:`~tokenmill.gateway.poolscale.
+    PoolDecider`)."""
+
+    desired: int
+
+    async def decide(self, sample: LoadSample, off: Sequence[int]) -> int:
+        """The desired count after ``sample``; ``off``: the replicas this gateway has
+        stopped using (a pool stops one that every gateway has)."""
+        ...
+
+    def observe(self, sample: LoadSample) -> int:
+        """At once, without waiting for anyone: a request found no replica loaded."""
+        ...
+
+    def events(self) -> list[dict[str, Any]]:
+        """The recent scale events, ``at`` in Unix time."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class LocalDecider:
+    """The policy, in this gateway."""
+
+    def __init__(self, targets: ScaleTargets, initial: int, label: str) -> None:
+        self.policy = ScalePolicy(targets, initial)
+        self.label = label
+
+    @property
+    def desired(self) -> int:
+        return self.policy.desired
+
+    async def decide(self, sample: LoadSample, off: Sequence[int]) -> int:
+        return self.observe(sample)
+
+    def observe(self, sample: LoadSample) -> int:
+        before = self.policy.desired
+        desired = self.policy.observe(sample)
+        if desired != before:
+            log.info(
+                "deployment %s: %d -> %d replicas (ongoing %.2f, ttft p90 %s)",
+                self.label,
+                before,
+                desired,
+                sample.ongoing,
+                "-" if sample.ttft_p90_s is None else f"{sample.ttft_p90_s:.3f}s",
+            )
+        return desired
+
+    def events(self) -> list[dict[str, Any]]:
+        return unix_events(self.policy.events[-16:])
+
+    async def close(self) -> None:
+        return None
+
+
 class Scaler:
-    def __init__(self, deployment: Deployment, config: Autoscale, slots: int, initial: int) -> None:
+    def __init__(
+        self,
+        deployment: Deployment,
+        config: Autoscale,
+        slots: int,
+        initial: int,
+        decider: Decider | None = None,
+    ) -> None:
         self.deployment = deployment
         self.config = config
-        self.policy = ScalePolicy(targets(config, slots), initial)
+        self.targets = targets(config, slots)
+        self.decider = decider or LocalDecider(self.targets, initial, deployment.id)
+        # A pool's replicas are drained in index order, the same on every gateway.
+        self.shared = decider is not None
         self._task: asyncio.Task[None] | None = None
         self._jobs: dict[int, asyncio.Task[None]] = {}  # a start or a drain, per replica
         self._failed_at: dict[int, float] = {}
@@ -115,11 +189,7 @@ class Scaler:
 
     @property
     def desired(self) -> int:
-        return self.policy.desired
-
-    @property
-    def events(self) -> list[ScaleEvent]:
-        return self.policy.events
+        return self.decider.desired
 
     def begin(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"autoscale-{self.deployment.id}")
@@ -129,18 +199,21 @@ class Scaler:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.decider.close()
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
             try:
-                self.tick(time.monotonic())
+                await self.tick(time.monotonic())
             except Exception:  # a bug here must not stop scaling for good
                 log.exception("autoscaling %s failed this tick", self.deployment.id)
 
-    def tick(self, now: float) -> None:
+    async def tick(self, now: float) -> None:
         dep = self.deployment
-        desired = self.observe(now)
+        off = [r.index for r in dep.replicas if r.phase == "off"]
+        desired = await self.decider.decide(self.sample(now), off)
+        now = time.monotonic()  # a pool's answer took a round trip
         plan = reconcile(desired, [self._slot(r, now) for r in dep.replicas])
         for i in plan.retire:
             self._retire(dep.replicas[i], now)
@@ -150,26 +223,18 @@ class Scaler:
             self._drain(dep.replicas[i])
 
     def observe(self, now: float) -> int:
-        """Sample the load and ask the policy: the desired count. Also called when a
-        request finds no replica loaded (at zero), which it then loads itself."""
+        """The desired count now, without waiting: a request found no replica loaded
+        (at zero), which it then loads itself."""
+        return self.decider.observe(self.sample(now))
+
+    def sample(self, now: float) -> LoadSample:
+        """The deployment's load now (and the replica-seconds up to now)."""
         dep = self.deployment
         if self._last_tick is not None:
             running = sum(1 for r in dep.replicas if r.state not in ("unloaded", "unhealthy"))
             self.replica_seconds += running * max(0.0, now - self._last_tick)
         self._last_tick = now
-        sample = LoadSample(now, dep.ongoing(), dep.first_tokens.p90(now - self.config.look_back_s))
-        before = self.policy.desired
-        desired = self.policy.observe(sample)
-        if desired != before:
-            log.info(
-                "deployment %s: %d -> %d replicas (ongoing %.2f, ttft p90 %s)",
-                dep.id,
-                before,
-                desired,
-                sample.ongoing,
-                "-" if sample.ttft_p90_s is None else f"{sample.ttft_p90_s:.3f}s",
-            )
-        return desired
+        return LoadSample(now, dep.ongoing(), dep.first_tokens.p90(now - self.config.look_back_s))
 
     def _slot(self, r: Replica, now: float) -> ReplicaSlot:
         job = self._jobs.get(r.index)
@@ -182,8 +247,10 @@ class Scaler:
             phase=r.phase,
             running=starting or r.state not in ("unloaded", "unhealthy"),
             failed=failed,
-            in_flight=r.in_flight,
-            cached_tokens=self.deployment.prefixes.blocks(r.index) * BLOCK_TOKENS,
+            in_flight=0 if self.shared else r.in_flight,
+            cached_tokens=0
+            if self.shared
+            else self.deployment.prefixes.blocks(r.index) * BLOCK_TOKENS,
         )
 
     def _retire(self, r: Replica, now: float) -> None:
@@ -268,22 +335,16 @@ class Scaler:
 
         task.add_done_callback(done)
 
-    @staticmethod
-    def _event(e: ScaleEvent) -> dict[str, Any]:
-        out = dataclasses.asdict(e)
-        out["at"] = round(time.time() - (time.monotonic() - e.at), 3)  # Unix time
-        return out
-
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {
             "min_replicas": c.min_replicas,
             "max_replicas": c.max_replicas,
-            "desired_replicas": self.policy.desired,
-            "target_ongoing_requests": self.policy.targets.target_ongoing,
+            "desired_replicas": self.decider.desired,
+            "target_ongoing_requests": self.targets.target_ongoing,
             "target_ttft_p90_s": c.target_ttft_p90_s,
             "replica_seconds": round(self.replica_seconds, 3),
-            "events": [self._event(e) for e in self.policy.events[-16:]],
+            "events": self.decider.events(),
         }
 
 

@@ -37,6 +37,7 @@ This module imports ``ray``: it is loaded only for a deployment with a pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -94,6 +95,11 @@ ATTACH_RETRY_S = 0.5
 def actor_name(pool: str, index: int) -> str:
     """Replica ``index`` of ``pool``: its actor's name (a pool name has no ``/``)."""
     return f"{pool}/{index}"
+
+
+def scaler_name(pool: str) -> str:
+    """The pool's autoscaler actor (tokenmill.gateway.poolscale), beside its replicas."""
+    return f"{pool}/autoscale"
 
 
 def replica_keys(section: dict[str, Any]) -> dict[str, Any]:
@@ -318,6 +324,8 @@ def stop_pool(pool: str) -> list[str]:
         except ValueError:
             continue  # gone meanwhile
         ray.kill(actor, no_restart=True)
+    with contextlib.suppress(ValueError):  # its autoscaler, if it has one
+        ray.kill(ray.get_actor(scaler_name(pool), namespace=POOL_NAMESPACE), no_restart=True)
     return names
 
 
@@ -329,5 +337,6 @@ __all__ = [
     "actor_name",
     "pool_actors",
     "replica_keys",
+    "scaler_name",
     "stop_pool",
 ]
