@@ -325,11 +325,12 @@ def test_two_gateways_of_an_autoscaled_pool_scale_it_by_one_decision(
         driver.emit("a1", 1)
         driver.finish("a1")
         assert list(streams["a1"])[-1] == DONE
+
+        def leaving(c: httpx.Client) -> bool | None:
+            return [r["phase"] for r in replicas(c)][1] in ("draining", "off") or None
+
         for c in (a, b):
-            wait_until(
-                lambda c=c: [r["phase"] for r in replicas(c)][1] in ("draining", "off") or None,
-                "replica 1 to leave",
-            )
+            wait_until(partial(leaving, c), "replica 1 to leave")
         driver.emit("b1", 2)
         driver.finish("b1")
         b1 = list(streams["b1"])

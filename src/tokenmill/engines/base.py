@@ -435,10 +435,15 @@ class KvMoving(Protocol):
     cache) sharing the longest prefix with ``tokens``, at least ``min_tokens`` of it;
     None when it holds none. ``import_kv(state)``: keep ``state`` as a cached sequence
     (parked: the next prompt that continues it restores it); False when it was not
-    taken (another fingerprint, no room). Neither affects a running request.
+    taken (another fingerprint, no room). ``held_kv(min_tokens)``: the sequences it
+    holds in its slots and host memory (each at least ``min_tokens``), most recently
+    used first: what a replica about to stop hands to those that stay. None affects a
+    running request.
     """
 
     async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvState | None: ...
+
+    async def held_kv(self, min_tokens: int) -> list[tuple[int, ...]]: ...
 
     async def import_kv(self, state: KvState) -> bool: ...
 

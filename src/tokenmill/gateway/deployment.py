@@ -44,6 +44,9 @@ from tokenmill.replicas import ADMITTING, ReplicaHost, ReplicaState, build_host
 
 log = logging.getLogger("tokenmill.gateway")
 
+# A replica that stops hands at most this many of its cached sequences to the others.
+HAND_OFF_MAX = 64
+
 
 class Replica:
     """One replica of a deployment: its host, and the gateway's routing counters."""
@@ -417,6 +420,42 @@ class Deployment:
         the autoscaler sizes the replicas for. (Those waiting for a pool's replica are
         admitted already: among ``active``.)"""
         return self.admission.active + self.admission.waiting
+
+    async def hand_off(self, donor: Replica, budget_s: float) -> int:
+        """Move the sequences ``donor`` holds to the replicas that stay, before it stops
+        (autoscaling: :mod:`.scaling`): most recently used first, each to the serving
+        replica that holds the least, for up to ``budget_s``. The number moved; none
+        where moves are off or the engines cannot move state."""
+        staying = [r for r in self.replicas if r is not donor and r.serving() and r.movable()]
+        if not (self._moves_on and staying and donor.movable()):
+            return 0
+        deadline = time.monotonic() + budget_s
+        try:
+            held = await donor.host.held_kv(MOVE_MIN_TOKENS)
+        except Exception as e:  # it stops anyway: what it held is computed again
+            log.warning("replica %s/%d listed no KV state to hand off: %s", self.id, donor.index, e)
+            return 0
+        moved = 0
+        for tokens in held[:HAND_OFF_MAX]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            target = min(staying, key=lambda r: (self.prefixes.blocks(r.index), r.index))
+            outcome = await self.moves.move(
+                donor.host, target.host, tokens, min_tokens=len(tokens), budget_s=left
+            )
+            if outcome == "moved":
+                moved += 1
+                self.moves.handed_off += 1
+        if held:
+            log.info(
+                "replica %s/%d handed %d of its %d cached sequence(s) to the replicas that stay",
+                self.id,
+                donor.index,
+                moved,
+                len(held),
+            )
+        return moved
 
     async def unload(self, replica: Replica) -> None:
         """Stop ``replica`` where it stands, idle: it stays ``unloaded`` and counted, and

@@ -51,6 +51,8 @@ class KvMoves:
     bytes_moved: int = 0
     tokens_moved: int = 0
     move_s: float | None = None  # measured seconds a moved token (None: none yet)
+    # Sequences a replica about to stop handed to those that stay (autoscaling).
+    handed_off: int = 0
 
     async def move(
         self,
@@ -91,6 +93,7 @@ class KvMoves:
         return {
             **self.outcomes,
             "bytes": self.bytes_moved,
+            "handed_off": self.handed_off,
             "tokens": self.tokens_moved,
             "us_per_token": None if self.move_s is None else round(self.move_s * 1e6, 2),
         }

@@ -76,6 +76,8 @@ class Deployment(Protocol):
 
     def refresh_capacity(self) -> None: ...
 
+    async def hand_off(self, donor: Any, budget_s: float) -> int: ...
+
     async def unload(self, replica: Any) -> None: ...
 
 
@@ -87,6 +89,8 @@ TICK_S = 0.25
 DRAIN_POLL_S = 0.05
 # A replica that failed to start is not tried again for this long.
 RETRY_FAILED_S = 30.0
+# A drained replica hands its cached sequences to the others for at most this long.
+HAND_OFF_S = 30.0
 
 
 def targets(config: Autoscale, slots: int) -> ScaleTargets:
@@ -319,6 +323,10 @@ class Scaler:
         # Off before the host closes: nothing routes to it while it stops.
         r.phase = "off"
         dep.refresh_capacity()
+        # What it caches goes to the replicas that stay: not past the drain limit (its
+        # streams end now), nor a pool's (its other gateways may still use it).
+        if not self.shared and r.in_flight == 0:
+            await dep.hand_off(r, HAND_OFF_S)
         await r.host.close()
         dep.prefixes.drop(r.index)
         dep.refresh_capacity()

@@ -276,6 +276,10 @@ class ReplicaClient:
         answer = await self._call(self._next_id(), {**message, "blob": state.state})
         return bool(answer.get("ok"))
 
+    async def held_kv(self, min_tokens: int) -> list[tuple[int, ...]]:
+        answer = await self._call(self._next_id(), {"op": "kv_held", "min": min_tokens})
+        return [tuple(int(t) for t in seq) for seq in answer["seqs"]]
+
     async def prepare_embeddings(self, request: EmbeddingRequest) -> EmbeddingInfo:
         answer = await self._call(
             self._next_id(), {"op": "embed_prepare", "req": encode_embedding(request)}

@@ -137,6 +137,12 @@ class ReplicaHost(Protocol):
         """Keep ``state`` as a cached sequence; False when not taken."""
         ...
 
+    async def held_kv(self, min_tokens: int) -> list[tuple[int, ...]]:
+        """The sequences its KV cache holds (slots and host memory), at least
+        ``min_tokens`` each, most recently used first; none where its engine cannot
+        move state (:class:`~tokenmill.engines.KvMoving`)."""
+        ...
+
     def health(self) -> EngineHealth: ...
 
 

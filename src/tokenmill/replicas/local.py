@@ -166,6 +166,11 @@ class LocalHost:
             return False
         return await self.engine.import_kv(state)
 
+    async def held_kv(self, min_tokens: int) -> list[tuple[int, ...]]:
+        if not isinstance(self.engine, KvMoving):
+            return []
+        return await self.engine.held_kv(min_tokens)
+
     def health(self) -> EngineHealth:
         return self.engine.health()
 

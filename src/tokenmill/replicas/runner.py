@@ -222,7 +222,7 @@ class Runner:
             await self.answer(msg)
         elif op in ("embed_prepare", "embed"):
             self.embedding(msg)
-        elif op in ("kv_export", "kv_import"):
+        elif op in ("kv_export", "kv_import", "kv_held"):
             self._task(self._kv_move(msg))
         else:
             return False
@@ -235,14 +235,19 @@ class Runner:
 
     async def _kv_move(self, msg: dict[str, Any]) -> None:
         """A ``kv_export`` (the state of the longest held prefix of ``tokens``, as the
-        answer's blob) or ``kv_import`` frame (a state to keep), answered by its id."""
+        answer's blob), ``kv_import`` (a state to keep) or ``kv_held`` frame (the
+        sequences held), answered by its id."""
         call_id = msg["id"]
         try:
             if not isinstance(self.engine, KvMoving):
                 raise InvalidRequestError(f"the {self.engine.name} engine cannot move KV state")
-            if msg["op"] == "kv_export":
+            if msg["op"] == "kv_held":
+                answer: dict[str, Any] = {
+                    "seqs": [list(s) for s in await self.engine.held_kv(int(msg["min"]))]
+                }
+            elif msg["op"] == "kv_export":
                 got = await self.engine.export_kv(msg["tokens"], int(msg["min"]))
-                answer: dict[str, Any] = {"found": got is not None}
+                answer = {"found": got is not None}
                 if got is not None:
                     answer |= {"tokens": list(got.tokens), "fp": got.fingerprint, "blob": got.state}
             else:

@@ -329,6 +329,9 @@ class SupervisedHost:
     async def import_kv(self, state: KvState) -> bool:
         return await self._live().import_kv(state)
 
+    async def held_kv(self, min_tokens: int) -> list[tuple[int, ...]]:
+        return await self._live().held_kv(min_tokens)
+
     def generate(self, request: GenerationRequest) -> ChunkStream:
         return self._live().generate(request)
 

@@ -12,8 +12,9 @@ Frames, gateway -> replica: ``hello`` (the first on a Ray actor's connection: th
 secret the gateway gave the actor, :mod:`tokenmill.replicas.rayactor`), ``prepare``,
 ``generate``, ``abort`` (by id: the one way to stop a request, answered by its final
 ``abort`` chunk), ``tokenize``, ``detokenize``, ``tokenizer_info``, ``embed_prepare``,
-``embed``, ``kv_export``, ``kv_import`` (by call id), ``ping``, ``close``. Replica ->
-gateway: ``ready`` / ``fatal`` (start-up), ``prepared``, ``chunks``, ``answer`` (to a
+``embed``, ``kv_export``, ``kv_import``, ``kv_held`` (by call id), ``ping``, ``close``.
+Replica -> gateway:
+``ready`` / ``fatal`` (start-up), ``prepared``, ``chunks``, ``answer`` (to a
 call: ``tokenize`` to ``kv_import``), ``error`` (by id), ``status`` (the health
 snapshot, pushed when it changes), ``pong``, and from an engine that publishes its KV cache
 (:mod:`tokenmill.kvblocks`): ``kv_all`` (every slot's block names, after ``ready``)

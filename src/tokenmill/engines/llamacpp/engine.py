@@ -536,6 +536,12 @@ class LlamaCppEngine:
         self.counters.kv_exports += 1
         return KvState(held, bytes(state), loaded.fingerprint)
 
+    async def held_kv(self, min_tokens: int) -> list[tuple[int, ...]]:
+        loaded = self._check_started()
+        future = loaded.loop.call(lambda: loaded.loop.kv.held(min_tokens))
+        held: list[tuple[int, ...]] = await asyncio.wrap_future(future)
+        return held
+
     async def import_kv(self, state: KvState) -> bool:
         loaded = self._check_started()
         if state.fingerprint != loaded.fingerprint:

@@ -142,6 +142,23 @@ class KvSlots:
         tokens, state = source()
         return None if state is None else (tokens, state)
 
+    def held(self, min_tokens: int) -> list[tuple[int, ...]]:
+        """The sequences the slots' cells and the host tier hold, at least
+        ``min_tokens`` each, most recently used first, none a prefix of another listed
+        (:class:`tokenmill.engines.KvMoving`). Runs on the decode thread."""
+        found: list[tuple[float, tuple[int, ...]]] = []
+        for slot in self.cache.slots:
+            tokens = tuple(slot.tokens[: self.context.held(slot.index)])
+            found.append((slot.last_used, tokens))
+        for entry in list(self.tier.entries.values()):
+            if not entry.pinned:
+                found.append((entry.last_used, entry.tokens))
+        out: list[tuple[int, ...]] = []
+        for _, tokens in sorted(found, key=lambda f: -f[0]):
+            if len(tokens) >= min_tokens and not any(covered(tokens, t) for t in out):
+                out.append(tokens)
+        return out
+
     def _saved(
         self, index: int, tokens: tuple[int, ...]
     ) -> tuple[tuple[int, ...], bytearray | None]:
