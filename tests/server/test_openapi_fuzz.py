@@ -305,3 +305,48 @@ def test_admin_numbers_are_numbers(gateway: ServerProcess) -> None:
             body = {"account": account.json()["id"], **bad}
             r = admin.post("/admin/keys", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
+
+
+def test_a_hosted_tools_name_of_any_characters_is_named_in_the_header(
+    gateway: ServerProcess, user_key: str
+) -> None:
+    # A tool named past Latin-1 made the x-tokenmill-omitted-tools header a 500.
+    body = {
+        "model": DEPLOYMENT,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": [{"type": "web_search_20250305", "name": "søk, 搜索"}],
+    }
+    headers = {"Authorization": f"Bearer {user_key}"}
+    with httpx.Client(base_url=gateway.url, timeout=CALL_TIMEOUT_S) as c:
+        r = c.post("/v1/messages", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-tokenmill-omitted-tools"] == "s%C3%B8k%2C%20%E6%90%9C%E7%B4%A2"
+
+
+def test_known_kinds_of_the_catch_all_unions_match_the_document_once(api: BaseSchema) -> None:
+    # Each union's refused or omitted member took any "type": by the served document
+    # every text block, custom tool or context edit matched two members of a oneOf,
+    # which made them invalid (and a fuzzed null "valid" data it had to refuse).
+    operations = {op.path: op for op in map(loaded, api.get_all_operations())}
+    messages = {
+        "model": DEPLOYMENT,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "tools": [{"type": "custom", "name": "f", "input_schema": {"type": "object"}}],
+        "context_management": {
+            "edits": [{"type": "clear_tool_uses_20250919", "clear_tool_inputs": None}]
+        },
+    }
+    responses = {
+        "model": DEPLOYMENT,
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+        ],
+        "tools": [{"type": "function", "name": "f"}],
+    }
+    for path, body in (("/v1/messages", messages), ("/v1/responses", responses)):
+        (schema,) = operations[path].body
+        assert schema.is_valid(body), path
+        unknown = {**body, "tools": [{"type": "web_search"}]}
+        assert schema.is_valid(unknown), path  # refused or left out by the server, not here

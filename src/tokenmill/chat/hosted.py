@@ -11,13 +11,21 @@ Pure policy: the adapters find the tools in their own wire format.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from urllib.parse import quote
 
 from tokenmill.errors import InvalidRequestError
 
-__all__ = ["OMITTED_HEADER", "hosted_tools"]
+__all__ = ["OMITTED_HEADER", "hosted_tools", "omitted_header"]
 
 # The response header naming the hosted tools left out (comma-separated).
 OMITTED_HEADER = "x-tokenmill-omitted-tools"
+
+
+def omitted_header(names: Sequence[str]) -> str:
+    """:data:`OMITTED_HEADER`'s value: the names, comma-separated, each percent-encoded
+    (UTF-8) past letters, digits and ``_.-~`` (a header is ASCII, and a client may name
+    its tools anything)."""
+    return ", ".join(quote(name, safe="") for name in names)
 
 
 def hosted_tools(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
@@ -29,6 +29,14 @@ from tokenmill.server.errors import from_validation_error, read_body
 from tokenmill.server.refused import UNSUPPORTED
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def other_than(*known: str) -> Any:
+    """The ``type`` of a union's catch-all member (what tokenmill refuses or leaves
+    out): any string but the ``known`` members' kinds. The served schema says so, so
+    that the union's ``oneOf`` matches each body once (a plain string would match the
+    known kinds too, and make every body with one of them invalid by the document)."""
+    return Field(json_schema_extra={"not": {"enum": list(known)}})
 
 
 def unsupported(what: str, advice: str = "leave it out") -> PydanticCustomError:

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from tokenmill.server.intake import unsupported
+from tokenmill.server.intake import other_than, unsupported
 
 # Anthropic's rule for a tool's name.
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
@@ -100,7 +100,7 @@ class ThinkingBlock(_Model):
 class UnsupportedBlock(_Model):
     """Images, documents, server tools' blocks...: refused."""
 
-    type: str
+    type: str = other_than("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
     @field_validator("type")
     @classmethod
@@ -156,7 +156,7 @@ class ServerTool(_Model):
     server would run. Refused or left out of the prompt, as the deployment's
     ``hosted_tools`` says (serving decides)."""
 
-    type: str
+    type: str = other_than("custom")
     name: str | None = None
 
 
@@ -252,7 +252,7 @@ class ClearThinking(_Model):
 class UnsupportedEdit(_Model):
     """Server-side compaction (``compact_...``) and edits not known: refused."""
 
-    type: str
+    type: str = other_than("clear_tool_uses_20250919", "clear_thinking_20251015")
 
     @field_validator("type")
     @classmethod

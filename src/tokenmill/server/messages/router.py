@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from tokenmill.chat.hosted import OMITTED_HEADER
+from tokenmill.chat.hosted import OMITTED_HEADER, omitted_header
 from tokenmill.server.errors import anthropic_body
 from tokenmill.server.intake import parse_body, ready_gateway
 from tokenmill.server.messages import serving
@@ -86,7 +86,7 @@ async def create_message(request: Request) -> Response:
     )
     response = await respond(request, opening, body.stream, IN_BAND)
     if omitted:
-        response.headers[OMITTED_HEADER] = ", ".join(omitted)
+        response.headers[OMITTED_HEADER] = omitted_header(omitted)
     return response
 
 

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from tokenmill.server.intake import unsupported
+from tokenmill.server.intake import other_than, unsupported
 
 # OpenAI's rule for a function's name: what the model writes and the client dispatches on.
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
@@ -74,7 +74,7 @@ class RefusalPart(_Model):
 class UnsupportedPart(_Model):
     """Images, files and audio: the models served read text only."""
 
-    type: str
+    type: str = other_than("input_text", "output_text", "text", "refusal")
 
     @field_validator("type")
     @classmethod
@@ -153,7 +153,7 @@ class FunctionCallOutputItem(_Model):
 class UnsupportedItem(_Model):
     """Items of built-in tools, reasoning, references to stored items...: refused."""
 
-    type: str
+    type: str = other_than("message", "function_call", "function_call_output")
 
     @field_validator("type")
     @classmethod
@@ -214,7 +214,7 @@ class BuiltinToolParam(_Model):
     servers run. Refused or left out of the prompt, as the deployment's
     ``hosted_tools`` says (serving decides)."""
 
-    type: str
+    type: str = other_than("function", "namespace")
 
 
 def _tool_tag(value: Any) -> str:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from tokenmill.chat.hosted import OMITTED_HEADER
+from tokenmill.chat.hosted import OMITTED_HEADER, omitted_header
 from tokenmill.ledger import ResponseStore
 from tokenmill.server.intake import parse_body, ready_gateway
 from tokenmill.server.openapi import (
@@ -84,7 +84,7 @@ async def create_response(request: Request) -> Response:
     )
     response = await respond(request, opening, body.stream, IN_BAND)
     if omitted:
-        response.headers[OMITTED_HEADER] = ", ".join(omitted)
+        response.headers[OMITTED_HEADER] = omitted_header(omitted)
     return response
 
 
