@@ -66,6 +66,11 @@ KV_SERIES: dict[str, tuple[str, str]] = {
     "preemptions": ("counter", "Running sequences swapped out of a full KV pool."),
     "exports": ("counter", "Sequences' KV states handed to another replica."),
     "imports": ("counter", "Sequences' KV states taken from another replica."),
+    "spec_drafted": ("counter", "Draft tokens verified (speculative decoding)."),
+    "spec_accepted": (
+        "counter",
+        "Draft tokens kept: tokens written without a decode step of their own.",
+    ),
     "disk_bytes": ("gauge", "Bytes of the disk tier's files (kv_disk_dir)."),
     "disk_capacity_bytes": ("gauge", "The disk tier's bound in bytes (kv_disk_bytes)."),
     "disk_entries": ("gauge", "Sequences in the disk tier's files."),

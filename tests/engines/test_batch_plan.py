@@ -96,3 +96,29 @@ def test_background_choices_sit_out_a_step_that_prefills_a_foreground_prompt() -
     queued.background = True
     plan = plan_batch([line, other, fresh, queued], prefill_chunk=512, capacity=600)
     assert [seq.key for seq, _ in plan.outputs] == ["line", "other", "fresh", "queued"]
+
+
+def test_a_draft_is_verified_right_after_its_choices_row_with_what_prompts_leave() -> None:
+    a = choice("a", slot=0, prompt=3, n_past=5, last=42)
+    b = choice("b", slot=1, prompt=3, n_past=9, last=43)
+    a.draft, b.draft = [7, 8, 9], [5, 6]
+    plan = plan_batch([a, b], prefill_chunk=512, capacity=600)
+    # Each draft token at the positions after the choice's next one, logits wanted.
+    assert plan.rows == [
+        (42, 5, 0, True),
+        (7, 6, 0, True),
+        (8, 7, 0, True),
+        (9, 8, 0, True),
+        (43, 9, 1, True),
+        (5, 10, 1, True),
+        (6, 11, 1, True),
+    ]
+    assert plan.outputs == [(a, 0), (b, 4)]
+    assert plan.drafts == {"a": [1, 2, 3], "b": [5, 6]}
+    # A prompt to prefill goes first; the drafts get what is left, in slot order.
+    a.draft, b.draft = [7, 8, 9], [5, 6]
+    new = choice("new", slot=2, prompt=3)
+    plan = plan_batch([a, b, new], prefill_chunk=512, capacity=8)
+    assert [(seq.key, end) for seq, end in plan.prefills] == [("new", 3)]
+    assert plan.drafts == {"a": [1, 2, 3]} and a.draft == [7, 8, 9] and b.draft == []
+    assert len(plan.rows) == 8

@@ -13,6 +13,8 @@ import pytest
 
 from tokenmill.engines.speculative import (
     DraftLength,
+    NgramIndex,
+    StepCosts,
     Verdict,
     accept_greedy,
     accept_sampled,
@@ -100,7 +102,7 @@ def test_a_rejected_token_is_never_written_in_its_place() -> None:
 
 def test_draft_length_follows_acceptance() -> None:
     seq = DraftLength()
-    assert seq.length() == 0  # a half: not worth drafting yet
+    assert seq.length() == 3  # the prior: drafts of 3
     for _ in range(20):
         seq.observe(drafted=4, accepted=4)
     assert seq.acceptance > 0.9 and seq.length() >= 6
@@ -109,6 +111,12 @@ def test_draft_length_follows_acceptance() -> None:
         seq.observe(drafted=4, accepted=0)
     assert seq.acceptance < 0.1 and seq.length() == 0
     seq.observe(drafted=0, accepted=0)  # nothing drafted: nothing learned
+    assert seq.length() == 0
+    steps = 0
+    while seq.length() == 0:  # resting, it tries again after a while
+        seq.rest()
+        steps += 1
+    assert 20 < steps < 200 and seq.length() == 1
 
 
 def test_drafting_pays_alone_and_not_in_a_full_batch_for_a_middling_acceptance() -> None:
@@ -119,3 +127,31 @@ def test_drafting_pays_alone_and_not_in_a_full_batch_for_a_middling_acceptance()
     # A long accepted run pays even there.
     assert pays(4.0, step_s=0.010, verify_s=0.011, sequences=16)
     assert not pays(1.0, step_s=0.0, verify_s=0.0)
+
+
+def test_the_incremental_index_drafts_what_the_search_does() -> None:
+    rng = random.Random(5)
+    # A sequence that repeats itself in pieces, over a small vocabulary (many matches).
+    tokens: list[int] = []
+    while len(tokens) < 600:
+        if tokens and rng.random() < 0.4:
+            start = rng.randrange(len(tokens))
+            tokens += tokens[start : start + rng.randrange(1, 12)]
+        else:
+            tokens.append(rng.randrange(6))
+    index = NgramIndex()
+    for i, token in enumerate(tokens):
+        index.append(token)
+        for k in (1, 4):
+            assert index.draft(k) == draft(tokens[: i + 1], k, lookback=10**6), (i, k)
+
+
+def test_step_costs_estimate_from_the_nearest_measured() -> None:
+    costs = StepCosts()
+    assert costs.estimate(4) is None
+    costs.observe(1, 0.010)
+    assert costs.estimate(1) == 0.010 and costs.estimate(4) == pytest.approx(0.040)
+    costs.observe(9, 0.018)
+    assert costs.estimate(5) == pytest.approx(0.014)
+    costs.observe(1, 0.020)  # a moving average
+    assert 0.010 < (costs.estimate(1) or 0) < 0.020

@@ -306,6 +306,11 @@ class LlamaCppDeployment(ReplicatedDeployment):
     # at 32k: "yarn", rope_scale 4, yarn_orig_ctx 8192). Quality past the trained
     # window is the model's, not guaranteed (docs/agent-apis.md).
     rope_scaling: Literal["none", "linear", "yarn"] | None = None
+    # Speculative decoding without a draft model: "ngram" drafts each sequence's next
+    # tokens from its own prompt and output (prompt lookup) and verifies them in the
+    # step, while measured step costs say it pays; greedy answers stay the same
+    # (docs/operations.md#speculative-decoding). "off": a token a step.
+    speculative: Literal["ngram", "off"] = "off"
     rope_scale: float | None = Field(default=None, ge=1.0, allow_inf_nan=False)
     yarn_orig_ctx: int | None = Field(default=None, ge=1)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Draft at most this many tokens a step for one sequence.
 MAX_DRAFT = 8
@@ -41,6 +41,11 @@ MIN_NGRAM = 2
 LOOKBACK = 4096
 # Weight of the newest step in a sequence's measured acceptance.
 ALPHA = 0.3
+# A new sequence's acceptance before it is measured: drafts of 3 tokens.
+PRIOR = 0.8
+# A sequence not drafting (its acceptance too low) moves back toward PRIOR by this
+# much of the way each step, so that it tries again after a while (the text changes).
+RECOVERY = 0.02
 
 
 def draft(
@@ -67,6 +72,51 @@ def draft(
                     return follow
                 break
     return []
+
+
+class NgramIndex:
+    """:func:`draft` for a sequence that grows a token at a time, in constant time a
+    token: for each ``n``, where the latest occurrence of each n-gram ended, counting
+    only occurrences before the current tail (the tail itself is what is looked up)."""
+
+    def __init__(
+        self,
+        tokens: Sequence[int] = (),
+        *,
+        max_ngram: int = MAX_NGRAM,
+        min_ngram: int = MIN_NGRAM,
+    ) -> None:
+        self.tokens: list[int] = []
+        self.sizes = range(max_ngram, min_ngram - 1, -1)
+        self._ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        tokens = self.tokens
+        end = len(tokens)
+        # The n-grams that ended the sequence until now are earlier than its new tail.
+        for n in self.sizes:
+            if end >= n:
+                self._ends[n][tuple(tokens[end - n :])] = end
+        tokens.append(token)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def draft(self, k: int) -> list[int]:
+        """What :func:`draft` returns for these tokens (without its lookback bound)."""
+        tokens = self.tokens
+        if k <= 0:
+            return []
+        for n in self.sizes:
+            if len(tokens) <= n:
+                continue
+            end = self._ends[n].get(tuple(tokens[len(tokens) - n :]))
+            if end is not None and end < len(tokens):
+                return tokens[end : end + k]
+        return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +182,12 @@ class DraftLength:
     """One sequence's draft length, from its measured acceptance: the chance that a
     drafted token is accepted, as a moving average over its verified drafts."""
 
-    acceptance: float = 0.5
+    acceptance: float = PRIOR
     max_draft: int = MAX_DRAFT
+
+    def rest(self) -> None:
+        """A step without a draft: the acceptance drifts back toward :data:`PRIOR`."""
+        self.acceptance += RECOVERY * (PRIOR - self.acceptance)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -162,6 +216,51 @@ class DraftLength:
         return max(1, min(self.max_draft, math.floor(math.log(0.5) / math.log(a))))
 
 
+class StepCosts:
+    """Measured seconds of a decode step by its rows (a moving average for each row
+    count seen), and an estimate for any count from the nearest measured ones."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        last = self._seconds.get(rows)
+        self._seconds[rows] = seconds if last is None else last + ALPHA * (seconds - last)
+
+    def estimate(self, rows: int) -> float | None:
+        """Seconds of a step of ``rows`` rows: measured, else interpolated between the
+        nearest counts measured (or scaled from the nearest one); None before any."""
+        seconds = self._seconds
+        if rows in seconds:
+            return seconds[rows]
+        if not seconds:
+            return None
+        below = max((r for r in seconds if r < rows), default=None)
+        above = min((r for r in seconds if r > rows), default=None)
+        if below is not None and above is not None:
+            f = (rows - below) / (above - below)
+            return seconds[below] + f * (seconds[above] - seconds[below])
+        nearest = below if below is not None else above
+        assert nearest is not None
+        return seconds[nearest] * rows / nearest if below is not None else seconds[nearest]
+
+
+@dataclass
+class Speculation:
+    """One sequence's drafting: its tokens' n-gram index, its draft length, and what
+    it drafted and kept."""
+
+    index: NgramIndex
+    length: DraftLength = field(default_factory=DraftLength)
+    drafted: int = 0
+    accepted: int = 0
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.length.observe(drafted, accepted)
+        self.drafted += drafted
+        self.accepted += accepted
+
+
 def pays(expected_accepted: float, step_s: float, verify_s: float, sequences: int = 1) -> bool:
     """Whether verifying drafts in a step is worth it: the step writes ``sequences``
     tokens in ``step_s`` without them, and ``expected_accepted`` more in ``verify_s``
@@ -178,6 +277,9 @@ def pays(expected_accepted: float, step_s: float, verify_s: float, sequences: in
 __all__ = [
     "MAX_DRAFT",
     "DraftLength",
+    "NgramIndex",
+    "Speculation",
+    "StepCosts",
     "Verdict",
     "accept_greedy",
     "accept_sampled",

@@ -40,6 +40,10 @@ class BatchPlan:
     prompt_rows: list[tuple[Choice, int]] = field(default_factory=list)
     # (choice, end): its prompt tokens ``n_past:end`` are in this batch.
     prefills: list[tuple[Choice, int]] = field(default_factory=list)
+    # Choice key -> the rows verifying its draft (``choice.draft``, cut to what fit),
+    # right after its output row: each row's logits give the token after that draft
+    # token (speculative decoding, tokenmill.engines.speculative).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 def plan_batch(running: Collection[Choice], *, prefill_chunk: int, capacity: int) -> BatchPlan:
@@ -57,12 +61,21 @@ def plan_batch(running: Collection[Choice], *, prefill_chunk: int, capacity: int
         if not seq.prefilled and seq.leader is None:
             grant[seq.key] = take = min(len(seq.prompt) - seq.n_past, budget)
             budget -= take
+    # Drafts take what the prompts leave: a first token never waits for a draft.
+    room = max(0, capacity - decoding - sum(grant.values()))
     plan = BatchPlan()
     rows = plan.rows
     for seq in sorted(running, key=_by_slot):
         if seq.prefilled:
             plan.outputs.append((seq, len(rows)))
             rows.append((seq.last_token, seq.n_past, seq.slot, True))
+            if seq.draft:
+                seq.draft = seq.draft[:room]
+                room -= len(seq.draft)
+                if seq.draft:
+                    plan.drafts[seq.key] = list(range(len(rows), len(rows) + len(seq.draft)))
+                    for i, token in enumerate(seq.draft):
+                        rows.append((token, seq.n_past + 1 + i, seq.slot, True))
             continue
         take = grant.get(seq.key, 0)
         if take == 0:

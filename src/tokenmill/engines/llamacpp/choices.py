@@ -24,6 +24,7 @@ from tokenmill.engines.base import (
     Usage,
 )
 from tokenmill.engines.logprobs import TokenAligner
+from tokenmill.engines.speculative import Speculation
 from tokenmill.engines.textstream import TextStream
 
 if TYPE_CHECKING:
@@ -69,6 +70,10 @@ class Choice:
     # Swapped out of a full KV pool: the key of its cells parked in host memory, until
     # it resumes (its slot stays its own meanwhile).
     swapped: int | None = None
+    # Speculative decoding (speculative = "ngram"): its drafting state, and this
+    # step's draft (tokens verified after its next one, in the same step).
+    spec: Speculation | None = None
+    draft: list[int] = field(default_factory=list)
 
     @property
     def prefilled(self) -> bool:

@@ -23,3 +23,5 @@ class Counters:
     resumes: int = 0  # swapped-out choices back in the pool
     kv_exports: int = 0  # sequences' states handed to another replica
     kv_imports: int = 0  # sequences' states taken from another replica
+    spec_drafted: int = 0  # draft tokens verified (speculative = "ngram")
+    spec_accepted: int = 0  # ... of which kept: tokens written without a step of their own

@@ -195,6 +195,7 @@ class _Loaded:
             first_marks=engine.first_marks,
             tuner=engine._tuner,
             embedder=self.embedder,
+            speculate=engine.speculative,
         )
         self.next_turns = NextTurns(context.vocab)
         # Compiled grammars of constrained requests (see grammar.py), made on first use.
@@ -228,8 +229,10 @@ class LlamaCppEngine:
         kv_disk_dir: str | Path | None = None,
         kv_disk_bytes: int | None = None,
         rope: RopeScaling | None = None,
+        speculative: bool = False,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
+        self.speculative = speculative  # n-gram drafts verified in the step
         self.rope = rope  # RoPE context extension (the deployment's rope_* keys)
         self.max_num_seqs = max_num_seqs
         # 0: the model's trained context (known once it is loaded).
@@ -283,6 +286,7 @@ class LlamaCppEngine:
             rope=None
             if config.rope_scaling is None
             else RopeScaling(config.rope_scaling, config.rope_scale, config.yarn_orig_ctx),
+            speculative=config.speculative == "ngram",
         )
 
     # -- what it has done and holds (health, tests, the bench) -----------------------
@@ -581,6 +585,8 @@ class LlamaCppEngine:
             "host_evictions": stats.evictions,
             "exports": counters.kv_exports,
             "imports": counters.kv_imports,
+            "spec_drafted": counters.spec_drafted,
+            "spec_accepted": counters.spec_accepted,
             **self._disk_stats(loaded),
         }
 

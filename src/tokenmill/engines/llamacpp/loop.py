@@ -45,6 +45,7 @@ from tokenmill.engines.llamacpp.outputs import OutputRows
 from tokenmill.engines.llamacpp.sampling import build_sampler
 from tokenmill.engines.llamacpp.threads import ThreadTuner
 from tokenmill.engines.logprobs import finite
+from tokenmill.engines.speculative import NgramIndex, Speculation, StepCosts, pays
 from tokenmill.errors import EngineError
 
 T = TypeVar("T")
@@ -94,6 +95,7 @@ class DecodeLoop:
         first_marks: dict[str, tuple[float, ...]],
         tuner: ThreadTuner | None,
         embedder: Embedder | None,
+        speculate: bool = False,
     ) -> None:
         self.context = context
         self.kv = kv
@@ -112,6 +114,10 @@ class DecodeLoop:
         self._foreground_at = -math.inf
         self._pause_s = 0.0  # the pause owed after the last step
         self._embedder = embedder
+        # Speculative decoding (speculative = "ngram"): drafts by prompt lookup,
+        # verified in the step, while the measured step costs say it pays.
+        self.speculate = speculate
+        self.step_costs = StepCosts()
         self._requests = RequestQueue()  # guarded by cv
         self._aborts: set[str] = set()
         self.running: dict[str, Choice] = {}  # by key, in arrival order
@@ -216,6 +222,8 @@ class DecodeLoop:
                     waiting = len(admitted) - i - 1 + requests.waiting
                     self.kv.assign(seq, pending=waiting, fills=fills)
                     seq.sampler = build_sampler(seq.sampling, self.context.vocab.n_tokens)
+                    if self.speculate:
+                        seq.spec = Speculation(NgramIndex(seq.prompt))
                     self.running[seq.key] = seq
                 for rid in aborts:
                     self._abort(rid, events)
@@ -362,6 +370,8 @@ class DecodeLoop:
         capacity = context.batch_cap
         if context.unified:
             capacity = min(capacity, self._fit_pool())
+        if self.speculate:
+            self._plan_drafts()
         plan = plan_batch(self.running.values(), prefill_chunk=PREFILL_CHUNK, capacity=capacity)
         if not plan.rows:
             return
@@ -380,6 +390,8 @@ class DecodeLoop:
             raise RuntimeError(f"llama_decode returned {rc}")
         if tuner is not None:
             tuner.observe(threads, n, context.decoded_at - started)
+        if self.speculate:
+            self.step_costs.observe(n, context.decoded_at - started)
         if self._background_only(plan):
             # Background work takes at most half the engine's time while foreground
             # requests come: a step under way is what their first token waits for.
@@ -396,7 +408,70 @@ class DecodeLoop:
                         self._start_follower(follower, seq)
                         self._advance(follower, idx, logprobs, events)
                 seq.followers = []
-            self._advance(seq, idx, logprobs, events)
+            drafts = plan.drafts.get(seq.key)
+            if drafts:
+                self._verify(seq, [idx, *drafts], events)
+            else:
+                self._advance(seq, idx, logprobs, events)
+            seq.draft = []
+
+    def _plan_drafts(self) -> None:
+        """Each decoding choice's draft for this step (``choice.draft``): as long as its
+        acceptance says, within its ``max_tokens`` and context; none at all when the
+        measured step costs say verifying them would cost more than they save."""
+        drafting: list[Choice] = []
+        for seq in self.running.values():
+            spec = seq.spec
+            if spec is None or not seq.prefilled or seq.done:
+                continue
+            if spec.length.length() == 0:
+                spec.length.rest()
+            k = min(
+                spec.length.length(),
+                seq.sampling.max_tokens - seq.generated - 1,
+                self.context.n_ctx_seq - (len(seq.prompt) + seq.generated) - 1,
+            )
+            seq.draft = spec.index.draft(k)
+            if seq.draft:
+                drafting.append(seq)
+        if not drafting:
+            return
+        decoding = sum(1 for s in self.running.values() if s.prefilled)
+        extra = sum(len(s.draft) for s in drafting)
+        step_s = self.step_costs.estimate(decoding)
+        verify_s = self.step_costs.estimate(decoding + extra)
+        if step_s is None or verify_s is None:
+            return  # not measured yet: the first drafts measure it
+        expected = sum(s.spec.length.expected_accepted(len(s.draft)) for s in drafting if s.spec)
+        if not pays(expected, step_s, verify_s, sequences=decoding):
+            for seq in drafting:
+                seq.draft = []
+
+    def _verify(self, seq: Choice, idxs: list[int], events: Events) -> None:
+        """``seq``'s next token from output ``idxs[0]``, and while each is the draft
+        token that followed it, the next from the following row: every token written
+        is sampled by its own sampler chain from the logits after exactly the tokens
+        before it, so greedy answers are the same as without drafts and sampled ones
+        are distributed as the model's (see tokenmill.engines.speculative). The cells
+        of the draft tokens not kept leave the slot before anything reads it."""
+        drafted, spec = seq.draft[: len(idxs) - 1], seq.spec
+        assert spec is not None
+        held = len(self.cache.slots[seq.slot].tokens)  # before this step's tokens
+        kept = 0
+        for i, idx in enumerate(idxs):
+            logprobs = None if seq.aligner is None else self.rows.row(idx)
+            token = self.rows.sample(seq, idx)
+            last = token is None or i == len(drafted) or token != drafted[i]
+            if last:
+                # The cells that stay: the previous token's and the drafts kept.
+                self.context.drop(seq.slot, held + 1 + i)
+            self._emit(seq, token, logprobs, events)
+            if last or seq.done:
+                break
+            kept += 1
+        spec.verified(len(drafted), kept)
+        self.counters.spec_drafted += len(drafted)
+        self.counters.spec_accepted += kept
 
     def _start_follower(self, seq: Choice, leader: Choice) -> None:
         """``leader`` has decoded the prompt: ``seq`` takes a copy of its KV cells.
@@ -411,12 +486,18 @@ class DecodeLoop:
 
     def _advance(self, seq: Choice, idx: int, logprobs: LogitRow | None, events: Events) -> None:
         """Sample ``seq``'s next token from output ``idx`` and pass its text on."""
-        group = seq.group
-        assert group is not None
         if seq.echo_pending:
             seq.echo_pending = False
             events.append((seq, self.rows.echo(seq)))
-        token = self.rows.sample(seq, idx)
+        self._emit(seq, self.rows.sample(seq, idx), logprobs, events)
+
+    def _emit(
+        self, seq: Choice, token: int | None, logprobs: LogitRow | None, events: Events
+    ) -> None:
+        """``seq`` sampled ``token`` (None: its constraint allowed none): count it,
+        pass its text on, and end the choice where it ends."""
+        group = seq.group
+        assert group is not None
         if token is None:
             self._finish(seq, "stop", events)
             return
@@ -445,6 +526,8 @@ class DecodeLoop:
         self._count(seq)
         seq.last_token = token
         seq.n_past = len(seq.prompt) + seq.generated - 1
+        if seq.spec is not None:
+            seq.spec.index.append(token)
         piece = vocab.piece(token)
         text = seq.stream.feed(piece)
         if seq.aligner is not None and logprobs is not None:
