@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -153,6 +154,7 @@ def llama_server(
     slots: int = SLOTS,
     n_ctx: int = SLOTS * N_CTX,
     files: str = "llama-server",
+    extra: Sequence[str] = (),
 ) -> Server:
     """llama.cpp's own server as tokenmill runs the model: same file, threads and slots."""
     from tokenmill.engines.llamacpp.threads import extra_buffers_work
@@ -163,4 +165,5 @@ def llama_server(
     cmd += ["-np", str(slots), "-c", str(n_ctx), "--host", "127.0.0.1", "--port", str(port)]
     if not extra_buffers_work():  # as tokenmill loads the model (see threads.py)
         cmd.append("--no-repack")
+    cmd += extra
     return Server("llama-server", cmd, port, tmp / f"{files}.log")

@@ -415,3 +415,48 @@ def test_autoscale_runs_in_a_plain_make_bench_and_marks_the_issue_targets() -> N
     assert any("TTFT p90" in line for line in missed)
     assert any("replica-seconds" in line for line in missed)
     assert any("one scale event per direction" in line for line in missed)
+
+
+def test_speculative_runs_in_a_plain_make_bench_and_marks_the_issue_targets() -> None:
+    got = bench_python(
+        """
+        import json
+        from run import chosen, parser
+        from scenarios.speculative import SERVERS, report
+
+        def names(*argv):
+            scenarios, out = chosen(parser().parse_args(list(argv)))
+            return [s.name for s in scenarios], out
+
+        keys = ["copy-heavy@1", "copy-heavy@16", "chat@1", "chat@16"]
+
+        def section(copy, chat16, texts):
+            speed = {"tokenmill": 50.0, "llama-server": 50.0, "llama-ngram-simple": 45.0,
+                     "llama-ngram-mod": 60.0}
+            runs = {}
+            for name in SERVERS:
+                base = speed.get(name)
+                runs[name] = {}
+                for k in keys:
+                    v = base if base is not None else (copy if k == "copy-heavy@1" else
+                                                        chat16 if k == "chat@16" else 50.0)
+                    same = texts if name == "tokenmill-ngram" else ["a"]
+                    runs[name][k] = [{"tok_per_s": v, "texts": same if k.endswith("@1") else []}]
+            return {"runs": runs, "acceptance": {"copy-heavy@1": {"drafted": 10, "accepted": 8}}}
+
+        print(json.dumps({
+            "plain": names(),
+            "only": names("--only-speculative"),
+            "met": report(section(80.0, 50.0, ["a"])),
+            "not_met": report(section(70.0, 40.0, ["b"])),
+        }))
+        """
+    )
+    assert "speculative" in got["plain"][0]
+    assert got["only"] == [["speculative"], "speculative.json"]
+    met = [line for line in got["met"].splitlines() if line.startswith("  [")]
+    assert len(met) == 5 and all(line.startswith("  [ok]") for line in met), got["met"]
+    missed = [line for line in got["not_met"].splitlines() if "[MISSED]" in line]
+    # 70 tok/s: 1.4x without drafts and 1.17x llama's best; chat at c=16 0.8x; texts differ.
+    assert len(missed) == 3, got["not_met"]
+    assert "drafted 10, kept 8 (0.80)" in got["met"]

@@ -18,6 +18,7 @@ from . import (
     logprobs,
     ray,
     routing,
+    speculative,
     versus,
 )
 
@@ -32,4 +33,5 @@ SCENARIOS: tuple[Scenario, ...] = (
     kvcluster.SCENARIO,
     batch.SCENARIO,
     autoscale.SCENARIO,
+    speculative.SCENARIO,
 )
