@@ -152,3 +152,19 @@ def test_the_next_turn_finds_the_whole_drafted_answer_cached(gw: ServerProcess) 
         second["choices"][0]["text"]
         == complete(gw, "plain", following, max_tokens=4)["choices"][0]["text"]
     )
+
+
+def test_a_request_asks_for_drafts_where_the_deployment_has_none(gw: ServerProcess) -> None:
+    def kept_on_plain() -> int | None:
+        d = httpx.get(f"{gw.url}/v1/deployments/plain", timeout=HANG_S).json()
+        return int(d["replicas"][0]["kv"]["spec_accepted"]) or None
+
+    on = complete(gw, "plain", COPY, speculative=True)
+    assert on["choices"][0]["text"] == complete(gw, "plain", COPY)["choices"][0]["text"]
+    assert wait_until(kept_on_plain, "the plain deployment to have drafted for it") > 0
+    bad = httpx.post(
+        f"{gw.url}/v1/completions",
+        json={"model": "plain", "prompt": "Hi", "max_tokens": 1, "speculative": "yes"},
+        timeout=HANG_S,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative", bad.text

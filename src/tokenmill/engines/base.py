@@ -100,6 +100,8 @@ class SamplingParams:
     seed: int | None = None
     # Keep generating past end-of-sequence until max_tokens (benchmarks, load tests).
     ignore_eos: bool = False
+    # Speculative decoding for this request: None, the deployment's ``speculative``.
+    speculative: bool | None = None
     # (token id, bias) added to the logits before sampling; -100 bans a token, 100
     # all but forces it (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()

@@ -114,8 +114,9 @@ class DecodeLoop:
         self._foreground_at = -math.inf
         self._pause_s = 0.0  # the pause owed after the last step
         self._embedder = embedder
-        # Speculative decoding (speculative = "ngram"): drafts by prompt lookup,
-        # verified in the step, while the measured step costs say it pays.
+        # Speculative decoding (speculative = "ngram", or a request's own choice):
+        # drafts by prompt lookup, verified in the step, while the measured step costs
+        # (of every step) say it pays.
         self.speculate = speculate
         self.step_costs = StepCosts()
         self._requests = RequestQueue()  # guarded by cv
@@ -222,7 +223,8 @@ class DecodeLoop:
                     waiting = len(admitted) - i - 1 + requests.waiting
                     self.kv.assign(seq, pending=waiting, fills=fills)
                     seq.sampler = build_sampler(seq.sampling, self.context.vocab.n_tokens)
-                    if self.speculate:
+                    wanted = seq.sampling.speculative
+                    if self.speculate if wanted is None else wanted:
                         seq.spec = Speculation(NgramIndex(seq.prompt))
                     self.running[seq.key] = seq
                 for rid in aborts:
@@ -370,8 +372,7 @@ class DecodeLoop:
         capacity = context.batch_cap
         if context.unified:
             capacity = min(capacity, self._fit_pool())
-        if self.speculate:
-            self._plan_drafts()
+        self._plan_drafts()
         plan = plan_batch(self.running.values(), prefill_chunk=PREFILL_CHUNK, capacity=capacity)
         if not plan.rows:
             return
@@ -390,8 +391,7 @@ class DecodeLoop:
             raise RuntimeError(f"llama_decode returned {rc}")
         if tuner is not None:
             tuner.observe(threads, n, context.decoded_at - started)
-        if self.speculate:
-            self.step_costs.observe(n, context.decoded_at - started)
+        self.step_costs.observe(n, context.decoded_at - started)
         if self._background_only(plan):
             # Background work takes at most half the engine's time while foreground
             # requests come: a step under way is what their first token waits for.

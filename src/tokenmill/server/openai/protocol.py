@@ -155,6 +155,11 @@ class SamplingFields(StructuredFields, RefusedFields):
     chat_template: str | None = None
     user: str | None = None
     ignore_eos: bool = False
+    speculative: bool | None = Field(
+        default=None,
+        description="n-gram drafts verified in the step (true) or a token a step "
+        "(false); unset: the deployment's `speculative`",
+    )
     # The request's priority class (docs/fairness.md), at most its key's: a name, or
     # vLLM's integer (below 0 interactive, 0 default, above 0 batch); OpenAI's
     # service_tier maps too (flex: batch; priority, scale: interactive).
@@ -218,6 +223,7 @@ class SamplingFields(StructuredFields, RefusedFields):
             stop=stop,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             logprobs=self.logprob_alternatives(),
             echo=self.echoes(),
