@@ -145,7 +145,10 @@ async def one(
 async def workload(
     url: str, model: str, prompts: list[str], c: int, max_tokens: int
 ) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=url, timeout=600.0) as client:
+    # A connection per request, for every server: llama-server closes idle keep-alive
+    # connections, which a reused one then reports as a disconnect.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
         started = time.monotonic()
         if c == 1:
             results = [await one(client, model, p, max_tokens) for p in prompts]
@@ -184,13 +187,26 @@ def measure(args: argparse.Namespace, gguf: Path, tmp: Path) -> dict[str, Any]:
     for rep in range(args.reps):
         for name in SERVERS:
             srv = server(name, gguf, args, tmp, binary)
+            failed: str | None = None
             try:
                 srv.start()
                 for wname, prompts in WORKLOADS.items():
                     for c in (1, 16):
-                        before = counters(srv.url) if name == "tokenmill-ngram" else {}
-                        got = asyncio.run(workload(srv.url, srv.model, prompts, c, args.max_tokens))
                         key = f"{wname}@{c}"
+                        if failed is not None:  # the server died: nothing more from it
+                            runs.setdefault(name, {}).setdefault(key, []).append(
+                                {"error": failed, "tok_per_s": 0.0, "texts": []}
+                            )
+                            continue
+                        before = counters(srv.url) if name == "tokenmill-ngram" else {}
+                        try:
+                            got = asyncio.run(
+                                workload(srv.url, srv.model, prompts, c, args.max_tokens)
+                            )
+                        except httpx.HTTPError as e:
+                            failed = f"{e!r}; see {srv.log_path}"
+                            got = {"error": failed, "tok_per_s": 0.0, "texts": []}
+                            before = {}
                         runs.setdefault(name, {}).setdefault(key, []).append(got)
                         if before:
                             time.sleep(0.5)  # the replica's counters come with its status
@@ -201,7 +217,8 @@ def measure(args: argparse.Namespace, gguf: Path, tmp: Path) -> dict[str, Any]:
                         print(f"rep {rep} {name} {key}: {got['tok_per_s']} tok/s", flush=True)
             finally:
                 srv.stop()
-    return {"settings": vars(args) | {"out": str(args.out)}, "runs": runs, "acceptance": spec}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return {"settings": settings, "runs": runs, "acceptance": spec}
 
 
 def median(values: list[float]) -> float:
@@ -219,8 +236,12 @@ def report(results: dict[str, Any]) -> str:
     base = speed["tokenmill"]
     lines = ["decode tok/s (median of reps), and the ratio to tokenmill without drafts:"]
     for name in runs:
-        cells = ", ".join(f"{k} {speed[name][k]} ({speed[name][k] / base[k]:.3f}x)" for k in keys)
+        cells = ", ".join(
+            f"{k} {speed[name][k]} ({speed[name][k] / (base[k] or 1):.3f}x)" for k in keys
+        )
         lines.append(f"  {name}: {cells}")
+        errors = {r["error"] for k in keys for r in runs[name][k] if "error" in r}
+        lines += [f"    {name} failed: {e}" for e in sorted(errors)]
     for key, seen in results["acceptance"].items():
         rate = seen["accepted"] / seen["drafted"] if seen["drafted"] else 0.0
         lines.append(

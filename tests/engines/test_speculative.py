@@ -146,12 +146,17 @@ def test_the_incremental_index_drafts_what_the_search_does() -> None:
             assert index.draft(k) == draft(tokens[: i + 1], k, lookback=10**6), (i, k)
 
 
-def test_step_costs_estimate_from_the_nearest_measured() -> None:
+def test_step_costs_by_shape_estimate_from_the_nearest_measured() -> None:
     costs = StepCosts()
-    assert costs.estimate(4) is None
-    costs.observe(1, 0.010)
-    assert costs.estimate(1) == 0.010 and costs.estimate(4) == pytest.approx(0.040)
-    costs.observe(9, 0.018)
-    assert costs.estimate(5) == pytest.approx(0.014)
-    costs.observe(1, 0.020)  # a moving average
-    assert 0.010 < (costs.estimate(1) or 0) < 0.020
+    assert costs.estimate(4, 1) is None
+    costs.observe(1, 1, 0.010)
+    assert costs.estimate(1, 1) == 0.010 and costs.estimate(4, 1) == pytest.approx(0.040)
+    costs.observe(9, 1, 0.018)
+    assert costs.estimate(5, 1) == pytest.approx(0.014)
+    # A depth never measured: unknown, whatever the count.
+    assert costs.estimate(9, 4) is None
+    # Depth 4 measured at 9 sequences: at 5, scaled as plain steps scale (14 / 18).
+    costs.observe(9, 4, 0.072)
+    assert costs.estimate(5, 4) == pytest.approx(0.072 * 0.014 / 0.018)
+    costs.observe(1, 1, 0.020)  # a moving average
+    assert 0.010 < (costs.estimate(1, 1) or 0) < 0.020

@@ -217,32 +217,56 @@ class DraftLength:
 
 
 class StepCosts:
-    """Measured seconds of a decode step by its rows (a moving average for each row
-    count seen), and an estimate for any count from the nearest measured ones."""
+    """Measured seconds of a decode step by its shape: how many sequences it holds,
+    and its depth, the most rows any one of them has (1 for a step of next tokens
+    only; 1 + k with a draft of k). Depth matters apart from the row count: where each
+    slot has a KV stream of its own, llama.cpp computes a step as one pass over the
+    weights per row of depth, so one sequence's draft of 4 makes the whole step 5
+    passes, while at one sequence it is one pass of 5 rows.
+
+    A moving average for each shape seen; a shape not seen is estimated from the same
+    depth at the nearest sequence count, scaled as depth-1 steps scale between the two
+    counts (interpolated over the counts measured), or None: not measured yet."""
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
+        self._seconds: dict[tuple[int, int], float] = {}
 
-    def observe(self, rows: int, seconds: float) -> None:
-        last = self._seconds.get(rows)
-        self._seconds[rows] = seconds if last is None else last + ALPHA * (seconds - last)
+    def observe(self, sequences: int, depth: int, seconds: float) -> None:
+        key = (sequences, depth)
+        last = self._seconds.get(key)
+        self._seconds[key] = seconds if last is None else last + ALPHA * (seconds - last)
 
-    def estimate(self, rows: int) -> float | None:
-        """Seconds of a step of ``rows`` rows: measured, else interpolated between the
-        nearest counts measured (or scaled from the nearest one); None before any."""
+    def estimate(self, sequences: int, depth: int) -> float | None:
         seconds = self._seconds
-        if rows in seconds:
-            return seconds[rows]
-        if not seconds:
+        if (sequences, depth) in seconds:
+            return seconds[(sequences, depth)]
+        if depth == 1:
+            return self._plain(sequences)
+        known = [b for b, d in seconds if d == depth]
+        if not known:
             return None
-        below = max((r for r in seconds if r < rows), default=None)
-        above = min((r for r in seconds if r > rows), default=None)
+        nearest = min(known, key=lambda b: (abs(b - sequences), b))
+        here, there = self._plain(sequences), self._plain(nearest)
+        scale = here / there if here is not None and there else 1.0
+        return seconds[(nearest, depth)] * scale
+
+    def _plain(self, sequences: int) -> float | None:
+        """A depth-1 step of ``sequences``: measured, or interpolated between the
+        nearest counts measured (scaled from the nearest one beyond them)."""
+        plain = {b: s for (b, d), s in self._seconds.items() if d == 1}
+        if sequences in plain:
+            return plain[sequences]
+        if not plain:
+            return None
+        below = max((b for b in plain if b < sequences), default=None)
+        above = min((b for b in plain if b > sequences), default=None)
         if below is not None and above is not None:
-            f = (rows - below) / (above - below)
-            return seconds[below] + f * (seconds[above] - seconds[below])
-        nearest = below if below is not None else above
-        assert nearest is not None
-        return seconds[nearest] * rows / nearest if below is not None else seconds[nearest]
+            f = (sequences - below) / (above - below)
+            return plain[below] + f * (plain[above] - plain[below])
+        if below is not None:
+            return plain[below] * sequences / below
+        assert above is not None
+        return plain[above]
 
 
 @dataclass

@@ -391,7 +391,7 @@ class DecodeLoop:
             raise RuntimeError(f"llama_decode returned {rc}")
         if tuner is not None:
             tuner.observe(threads, n, context.decoded_at - started)
-        self.step_costs.observe(n, context.decoded_at - started)
+        self.step_costs.observe(*_shape(plan), context.decoded_at - started)
         if self._background_only(plan):
             # Background work takes at most half the engine's time while foreground
             # requests come: a step under way is what their first token waits for.
@@ -419,6 +419,8 @@ class DecodeLoop:
         """Each decoding choice's draft for this step (``choice.draft``): as long as its
         acceptance says, within its ``max_tokens`` and context; none at all when the
         measured step costs say verifying them would cost more than they save."""
+        if any(not s.prefilled and s.leader is None for s in self.running.values()):
+            return  # a prompt to prefill: its first token does not wait for drafts
         drafting: list[Choice] = []
         for seq in self.running.values():
             spec = seq.spec
@@ -437,11 +439,15 @@ class DecodeLoop:
         if not drafting:
             return
         decoding = sum(1 for s in self.running.values() if s.prefilled)
-        extra = sum(len(s.draft) for s in drafting)
-        step_s = self.step_costs.estimate(decoding)
-        verify_s = self.step_costs.estimate(decoding + extra)
-        if step_s is None or verify_s is None:
-            return  # not measured yet: the first drafts measure it
+        depth = 1 + max(len(s.draft) for s in drafting)
+        step_s = self.step_costs.estimate(decoding, 1)
+        verify_s = self.step_costs.estimate(decoding, depth)
+        if step_s is None:  # a plain step first: what drafts are weighed against
+            for seq in drafting:
+                seq.draft = []
+            return
+        if verify_s is None:
+            return  # never measured at this depth: these drafts measure it
         expected = sum(s.spec.length.expected_accepted(len(s.draft)) for s in drafting if s.spec)
         if not pays(expected, step_s, verify_s, sequences=decoding):
             for seq in drafting:
@@ -624,3 +630,12 @@ class DecodeLoop:
 
     def _post(self, events: list[tuple[Choice, Any]]) -> None:
         self._post_events([(seq.request_id, item) for seq, item in events])
+
+
+def _shape(plan: BatchPlan) -> tuple[int, int]:
+    """A step's sequences and its depth, the most rows any one of them has (see
+    tokenmill.engines.speculative.StepCosts)."""
+    rows: dict[int, int] = {}
+    for _, _, slot, _ in plan.rows:
+        rows[slot] = rows.get(slot, 0) + 1
+    return len(rows), max(rows.values(), default=0)
