@@ -48,6 +48,8 @@ SERIES = {
             "preemptions",
             "exports",
             "imports",
+            "spec_drafted",
+            "spec_accepted",
         )
     },
 }
