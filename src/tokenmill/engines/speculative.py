@@ -10,15 +10,15 @@ what to keep, and when drafting pays.
   the draft. Copy-heavy work (an edit of given code, a repaired JSON, a quote)
   repeats long runs of its prompt, which is what this finds; ordinary chat finds
   little, and drafts nothing.
-* :func:`accept_greedy` and :func:`accept_sampled`: **exact acceptance**. The
-  verification step gives the target distribution after the sequence's whole
-  sampler chain at each drafted position. Greedy keeps a draft token only if it is
-  that position's argmax. Sampling keeps draft token ``d`` with probability
-  ``p(d)`` (the draft is one token for sure: ``q(d) = 1``), and on a rejection draws
-  from ``p`` with ``d`` removed, renormalized: each written token is distributed as
-  the model's ``p``, whatever was drafted (speculative sampling, Leviathan et al.
-  2023, with a point-mass draft). After a fully accepted draft one more token comes
-  from the last position's distribution: a step never writes fewer than one token.
+* :func:`verify`: **exact acceptance**, the rule the engine runs (and
+  :func:`accept_greedy`, :func:`accept_sampled` on synthetic rows, for the tests).
+  The verification step gives each drafted position's logits; the sequence's own
+  sampler chain draws a token from each in turn while each is the drafted one.
+  Greedy keeps a draft token only if it is that position's argmax; sampled, a draft
+  token ``d`` is kept with probability ``p(d)`` and a token drawn instead is ``p``
+  with ``d`` removed: each written token is distributed as the model's ``p``,
+  whatever was drafted (speculative sampling, Leviathan et al. 2023, with a
+  point-mass draft).
 * :class:`DraftLength`: **only where it pays**. A sequence's draft length follows
   its measured acceptance (the expected run of accepted tokens), and
   :func:`pays` weighs the tokens a draft is expected to add against what verifying
@@ -128,14 +128,31 @@ class Verdict:
     tokens: tuple[int, ...]
 
 
+def verify(drafted: Sequence[int], draw: Callable[[int], int | None]) -> int:
+    """The one acceptance rule: ``draw(i)`` writes the token at drafted position ``i``
+    (the sequence's own sampler on the logits after its tokens and ``drafted[:i]``),
+    or returns None where the sequence ended; drawing goes on while each token drawn
+    is the drafted one. The number of draft tokens kept.
+
+    Greedy keeps a draft token only if it is the argmax. Sampled, the drafted token
+    is kept with probability ``p(d)``, and a token drawn instead is distributed as
+    ``p`` with ``d`` removed: each written token is distributed as the model's
+    (speculative sampling with a point-mass draft, Leviathan et al. 2023, in its
+    draw-and-compare form). After a fully kept draft one more token is drawn from the
+    last row: a step never writes fewer than one token."""
+    for i in range(len(drafted) + 1):
+        token = draw(i)
+        if token is None or i == len(drafted) or token != drafted[i]:
+            return i
+    raise AssertionError("unreachable")
+
+
 def accept_greedy(drafted: Sequence[int], argmax: Sequence[int]) -> Verdict:
-    """``argmax[i]``: the greedy token at drafted position ``i`` (after the sequence's
-    tokens and ``drafted[:i]``); ``len(argmax) == len(drafted) + 1``."""
+    """:func:`verify` where ``argmax[i]`` is the greedy token at drafted position
+    ``i``; ``len(argmax) == len(drafted) + 1``."""
     assert len(argmax) == len(drafted) + 1
-    n = 0
-    while n < len(drafted) and drafted[n] == argmax[n]:
-        n += 1
-    return Verdict(n, (*drafted[:n], argmax[n]))
+    kept = verify(drafted, argmax.__getitem__)
+    return Verdict(kept, (*drafted[:kept], argmax[kept]))
 
 
 Distribution = Sequence[float]  # probabilities over the vocabulary, summing to 1
@@ -146,28 +163,24 @@ def accept_sampled(
     target: Callable[[int], Distribution],
     rng: random.Random,
 ) -> Verdict:
-    """``target(i)``: the model's distribution at drafted position ``i`` after the
-    whole sampler chain (only asked for the positions reached). Each token written is
-    distributed as the model's (see the module docstring)."""
-    out: list[int] = []
-    for i, d in enumerate(drafted):
-        p = target(i)
-        if rng.random() < p[d]:
-            out.append(d)
-            continue
-        return Verdict(i, (*out, _draw(p, rng, without=d)))
-    return Verdict(len(drafted), (*out, _draw(target(len(drafted)), rng)))
+    """:func:`verify` where ``target(i)`` is the model's distribution at drafted
+    position ``i`` after the whole sampler chain (only asked for the positions
+    reached), each token drawn from it with ``rng``."""
+    written: list[int] = []
+
+    def draw(i: int) -> int:
+        written.append(_draw(target(i), rng))
+        return written[-1]
+
+    return Verdict(verify(drafted, draw), tuple(written))
 
 
-def _draw(p: Distribution, rng: random.Random, without: int | None = None) -> int:
-    """A token from ``p`` (with ``without`` removed and the rest renormalized)."""
-    total = 1.0 - (p[without] if without is not None else 0.0)
-    if total <= 0.0:  # all of p was on the removed token: p(d) = 1 never rejects
-        raise ValueError("nothing left to draw from")
-    x = rng.random() * total
+def _draw(p: Distribution, rng: random.Random) -> int:
+    """A token from ``p``."""
+    x = rng.random()
     last = None
     for token, weight in enumerate(p):
-        if token == without or weight <= 0.0:
+        if weight <= 0.0:
             continue
         last = token
         x -= weight
@@ -309,4 +322,5 @@ __all__ = [
     "accept_sampled",
     "draft",
     "pays",
+    "verify",
 ]

@@ -58,6 +58,7 @@ class Replica:
         host: ReplicaHost,
         slots: int,
         pool: str | None = None,
+        first_tokens: FirstTokens | None = None,
     ) -> None:
         self.deployment_id = deployment_id
         self.pool = pool
@@ -75,7 +76,7 @@ class Replica:
         # when it serves (requests wait in the queue meanwhile, not on its inbox).
         self.joining = False
         # The deployment's recent first tokens, which the autoscaler watches.
-        self.first_tokens = FirstTokens()
+        self.first_tokens = first_tokens if first_tokens is not None else FirstTokens()
 
     @property
     def state(self) -> ReplicaState:
@@ -155,10 +156,11 @@ class Deployment:
             hosts = [build_host(config, ray_address=ray_address, index=i) for i in range(n)]
         slots = config.max_num_seqs
         self.pool: str | None = getattr(config, "pool", None)
-        self.replicas = [Replica(self.id, i, h, slots, self.pool) for i, h in enumerate(hosts)]
         self.first_tokens = FirstTokens()
+        self.replicas = [
+            Replica(self.id, i, h, slots, self.pool, self.first_tokens) for i, h in enumerate(hosts)
+        ]
         for replica in self.replicas:
-            replica.first_tokens = self.first_tokens
             if autoscale is not None and replica.index >= initial:
                 replica.phase = "off"
         self.scaler: Scaler | None = None

@@ -128,7 +128,9 @@ class PoolDecider:
         return self._actor
 
     async def decide(self, sample: LoadSample, off: Sequence[int]) -> int:
-        actor = await asyncio.to_thread(self._scaler)
+        actor = self._actor
+        if actor is None:  # (connecting and creating block: off the event loop, once)
+            actor = await asyncio.to_thread(self._scaler)
         try:
             desired, events = await actor.report.remote(
                 self.gateway, sample.ongoing, sample.ttft_p90_s, list(off)

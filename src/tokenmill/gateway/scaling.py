@@ -327,9 +327,9 @@ class Scaler:
         # streams end now), nor a pool's (its other gateways may still use it).
         if not self.shared and r.in_flight == 0:
             await dep.hand_off(r, HAND_OFF_S)
+        # Its state change drops it from the prefix index and the capacity
+        # (Deployment._changed).
         await r.host.close()
-        dep.prefixes.drop(r.index)
-        dep.refresh_capacity()
 
     def _job(self, r: Replica, work: Any) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(work)

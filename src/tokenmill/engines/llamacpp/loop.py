@@ -45,7 +45,7 @@ from tokenmill.engines.llamacpp.outputs import OutputRows
 from tokenmill.engines.llamacpp.sampling import build_sampler
 from tokenmill.engines.llamacpp.threads import ThreadTuner
 from tokenmill.engines.logprobs import finite
-from tokenmill.engines.speculative import NgramIndex, Speculation, StepCosts, pays
+from tokenmill.engines.speculative import NgramIndex, Speculation, StepCosts, pays, verify
 from tokenmill.errors import EngineError
 
 T = TypeVar("T")
@@ -116,7 +116,7 @@ class DecodeLoop:
         self._embedder = embedder
         # Speculative decoding (speculative = "ngram", or a request's own choice):
         # drafts by prompt lookup, verified in the step, while the measured step costs
-        # (of every step) say it pays.
+        # (of the steps while a choice may draft) say it pays.
         self.speculate = speculate
         self.step_costs = StepCosts()
         self._requests = RequestQueue()  # guarded by cv
@@ -372,7 +372,10 @@ class DecodeLoop:
         capacity = context.batch_cap
         if context.unified:
             capacity = min(capacity, self._fit_pool())
-        self._plan_drafts()
+        # Only while a choice may draft: nothing of it on the steps of those that do not.
+        speculating = any(s.spec is not None for s in self.running.values())
+        if speculating:
+            self._plan_drafts()
         plan = plan_batch(self.running.values(), prefill_chunk=PREFILL_CHUNK, capacity=capacity)
         if not plan.rows:
             return
@@ -391,7 +394,8 @@ class DecodeLoop:
             raise RuntimeError(f"llama_decode returned {rc}")
         if tuner is not None:
             tuner.observe(threads, n, context.decoded_at - started)
-        self.step_costs.observe(*_shape(plan), context.decoded_at - started)
+        if speculating:
+            self.step_costs.observe(*_shape(plan), context.decoded_at - started)
         if self._background_only(plan):
             # Background work takes at most half the engine's time while foreground
             # requests come: a step under way is what their first token waits for.
@@ -462,19 +466,19 @@ class DecodeLoop:
         of the draft tokens not kept leave the slot before anything reads it."""
         drafted, spec = seq.draft[: len(idxs) - 1], seq.spec
         assert spec is not None
-        held = len(self.cache.slots[seq.slot].tokens)  # before this step's tokens
-        kept = 0
-        for i, idx in enumerate(idxs):
+
+        def draw(i: int) -> int | None:
+            idx = idxs[i]
             logprobs = None if seq.aligner is None else self.rows.row(idx)
             token = self.rows.sample(seq, idx)
-            last = token is None or i == len(drafted) or token != drafted[i]
-            if last:
-                # The cells that stay: the previous token's and the drafts kept.
-                self.context.drop(seq.slot, held + 1 + i)
             self._emit(seq, token, logprobs, events)
-            if last or seq.done:
-                break
-            kept += 1
+            return None if seq.done else token
+
+        kept = verify(drafted, draw)
+        if not seq.done:  # (an ended choice's slot kept only its record: KvSlots.release)
+            # The cells that stay: those the slot's record holds (the previous token's
+            # and the drafts kept).
+            self.context.drop(seq.slot, len(self.cache.slots[seq.slot].tokens))
         spec.verified(len(drafted), kept)
         self.counters.spec_drafted += len(drafted)
         self.counters.spec_accepted += kept
