@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tokenmill.engines import Chunk, ChunkStream, Usage
+from tokenmill.engines import Chunk, ChunkStream, TokenLogprob, ToolCallDelta, Usage
 from tokenmill.errors import EngineError
 
 
@@ -79,3 +79,18 @@ async def test_a_cancelled_read_loses_no_chunk() -> None:
         await pending
     stream.put(Chunk(" a", tokens=1))
     assert (await anext(stream)).text == " a"
+
+
+def test_a_chunk_then_a_later_one_is_one_delta_unless_the_first_ends_something() -> None:
+    a = TokenLogprob(b" a", -0.1, 0)
+    b = TokenLogprob(b" b", -0.2, 2)
+    joined = Chunk(" a", tokens=1, logprobs=(a,)).then(
+        Chunk(" b", "length", Usage(3, 2), 2, (b,), stop_sequence=None)
+    )
+    assert joined == Chunk(" a b", "length", Usage(3, 2), 2, (a, b))
+    # Nothing follows an end, another choice is another delta, tool pieces stay apart.
+    assert Chunk(" a", "stop", Usage(3, 1), 1).then(Chunk(" b", tokens=2)) is None
+    assert Chunk(" a", tokens=1, choice_finish="stop").then(Chunk(" b", tokens=2)) is None
+    assert Chunk(" a", tokens=1).then(Chunk(" b", tokens=2, index=1)) is None
+    call = ToolCallDelta(0, "c1", "f")
+    assert Chunk("", tokens=1, tool_calls=(call,)).then(Chunk(" b", tokens=2)) is None

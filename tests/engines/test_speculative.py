@@ -1,7 +1,7 @@
 """The pure rules of speculative decoding (tokenmill.engines.speculative), on synthetic
 token sequences and distributions: drafts by prompt lookup, exact acceptance (greedy,
 and sampling whose written tokens are distributed as the model's, over many seeded
-draws), and when drafting pays."""
+draws), and when drafting pays (llama.cpp's ubatches and their measured costs)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from tokenmill.engines.speculative import (
     Verdict,
     accept_greedy,
     accept_sampled,
+    best_cap,
     draft,
-    pays,
+    ubatches,
 )
 
 
@@ -119,14 +120,43 @@ def test_draft_length_follows_acceptance() -> None:
     assert 20 < steps < 200 and seq.length() == 1
 
 
-def test_drafting_pays_alone_and_not_in_a_full_batch_for_a_middling_acceptance() -> None:
-    # One sequence: 3 draft cells add 10 % to its step and bring 1.5 tokens.
-    assert pays(1.5, step_s=0.010, verify_s=0.011, sequences=1)
-    # Sixteen: the same 10 % slows all sixteen for 1.5 tokens more: a loss.
-    assert not pays(1.5, step_s=0.010, verify_s=0.011, sequences=16)
-    # A long accepted run pays even there.
-    assert pays(4.0, step_s=0.010, verify_s=0.011, sequences=16)
-    assert not pays(1.0, step_s=0.0, verify_s=0.0)
+def _costs(per_ubatch: dict[int, float], *, unified: bool = False) -> StepCosts:
+    costs = StepCosts(unified=unified, n_ubatch=512)
+    for n, seconds in per_ubatch.items():
+        costs.observe([(0, n)], seconds)
+    return costs
+
+
+def test_drafting_pays_alone_and_not_beside_many_for_a_middling_acceptance() -> None:
+    # A pass over the weights 10 ms, each row 0.5 ms more (as one thread on a CPU).
+    costs = _costs({n: 0.010 + 0.0005 * n for n in (1, 16, 64, 160)})
+    middling = DraftLength(acceptance=0.75)
+    # One sequence: a draft of 7 adds 3.5 ms for ~2.6 tokens more: long drafts pay.
+    assert best_cap([(0, 8, middling)], [], costs) >= 6
+    # Sixteen, one of them drafting: its draft is a ubatch of its own (a pass more
+    # for all sixteen): a loss.
+    assert best_cap([(0, 8, middling)], list(range(1, 16)), costs) == 0
+    # Sixteen all drafting: one ubatch of 16 x (1 + k) rows, each row slows every
+    # sequence; a middling acceptance pays for short drafts only, a long accepted run
+    # for long ones.
+    everyone = [(slot, 8, middling) for slot in range(16)]
+    assert best_cap(everyone, [], costs) in (1, 2)
+    sure = [(slot, 8, DraftLength(acceptance=0.98)) for slot in range(16)]
+    assert best_cap(sure, [], costs) >= 6
+    # Nothing measured yet: no drafts (a plain step comes first and measures).
+    assert best_cap([(0, 8, middling)], [], StepCosts()) == 0
+
+
+def test_ubatches_follow_llama_cpps_split() -> None:
+    # A KV stream per slot: runs of consecutive slots, equal rows from each.
+    assert ubatches([(0, 1), (1, 1), (2, 1)], unified=False, n_ubatch=512) == [3]
+    assert ubatches([(0, 5), (1, 1), (2, 1)], unified=False, n_ubatch=512) == [3, 4]
+    assert ubatches([(0, 3), (1, 3)], unified=False, n_ubatch=512) == [6]
+    assert ubatches([(0, 1), (2, 1), (3, 1)], unified=False, n_ubatch=512) == [1, 2]
+    assert ubatches([(0, 300), (1, 300)], unified=False, n_ubatch=512) == [512, 88]
+    # One pool: ubatches of n_ubatch rows, whatever the sequences.
+    assert ubatches([(0, 5), (1, 1), (2, 1)], unified=True, n_ubatch=512) == [7]
+    assert ubatches([(0, 600)], unified=True, n_ubatch=512) == [512, 88]
 
 
 def test_the_incremental_index_drafts_what_the_search_does() -> None:
@@ -146,17 +176,20 @@ def test_the_incremental_index_drafts_what_the_search_does() -> None:
             assert index.draft(k) == draft(tokens[: i + 1], k, lookback=10**6), (i, k)
 
 
-def test_step_costs_by_shape_estimate_from_the_nearest_measured() -> None:
-    costs = StepCosts()
-    assert costs.estimate(4, 1) is None
-    costs.observe(1, 1, 0.010)
-    assert costs.estimate(1, 1) == 0.010 and costs.estimate(4, 1) == pytest.approx(0.040)
-    costs.observe(9, 1, 0.018)
-    assert costs.estimate(5, 1) == pytest.approx(0.014)
-    # A depth never measured: unknown, whatever the count.
-    assert costs.estimate(9, 4) is None
-    # Depth 4 measured at 9 sequences: at 5, scaled as plain steps scale (14 / 18).
-    costs.observe(9, 4, 0.072)
-    assert costs.estimate(5, 4) == pytest.approx(0.072 * 0.014 / 0.018)
-    costs.observe(1, 1, 0.020)  # a moving average
-    assert 0.010 < (costs.estimate(1, 1) or 0) < 0.020
+def test_step_costs_are_their_ubatches_measured_and_interpolated() -> None:
+    costs = StepCosts(n_ubatch=512)
+    assert costs.estimate([(0, 1)]) is None
+    costs.observe([(0, 1)], 0.010)
+    assert costs.estimate([(0, 1)]) == 0.010
+    # One size measured: beyond it each row half a pass more (a first guess).
+    assert costs.estimate([(0, 4)]) == pytest.approx(0.025)
+    costs.observe([(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1), (7, 1), (8, 1)], 0.018)
+    assert costs.ubatch(5) == pytest.approx(0.014)
+    # Beyond the largest measured: on along the line through the two largest.
+    assert costs.ubatch(13) == pytest.approx(0.022)
+    # A step of two ubatches costs both, and measures neither.
+    assert costs.estimate([(0, 5), (1, 1)]) == pytest.approx(costs.ubatch(2) + costs.ubatch(4))
+    costs.observe([(0, 5), (1, 1)], 1.0)
+    assert costs.ubatch(2) == pytest.approx(0.011)
+    costs.observe([(0, 1)], 0.020)  # a moving average
+    assert 0.010 < (costs.ubatch(1) or 0) < 0.020

@@ -88,6 +88,30 @@ class Chunk:
     # otherwise, and from an engine that cannot tell (an OpenAI-compatible upstream).
     stop_sequence: str | None = None
 
+    def then(self, later: Chunk) -> Chunk | None:
+        """One chunk that says what this one and then ``later`` say (a step that
+        wrote several tokens of a choice sends them as one delta), or None where they
+        cannot be one: other choices, this one ending its choice or the stream, or
+        tool call pieces."""
+        if (
+            later.index != self.index
+            or self.finish_reason is not None
+            or self.choice_finish is not None
+            or self.tool_calls
+            or later.tool_calls
+        ):
+            return None
+        return Chunk(
+            self.text + later.text,
+            later.finish_reason,
+            later.usage,
+            max(self.tokens, later.tokens),
+            self.logprobs + later.logprobs,
+            later.index,
+            later.choice_finish,
+            stop_sequence=later.stop_sequence,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ToolCallDelta:

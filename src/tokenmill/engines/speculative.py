@@ -19,10 +19,12 @@ what to keep, and when drafting pays.
   with ``d`` removed: each written token is distributed as the model's ``p``,
   whatever was drafted (speculative sampling, Leviathan et al. 2023, with a
   point-mass draft).
-* :class:`DraftLength`: **only where it pays**. A sequence's draft length follows
-  its measured acceptance (the expected run of accepted tokens), and
-  :func:`pays` weighs the tokens a draft is expected to add against what verifying
-  it adds to the step, from the measured cost of steps by their size.
+* :class:`DraftLength`, :func:`best_cap`: **only where it pays**. A sequence drafts
+  while its measured acceptance says a drafted token is kept more often than not,
+  and :func:`best_cap` cuts every draft of a step to the length that writes the most
+  tokens a second: the tokens each draft is expected to add (a run of accepts)
+  against what verifying them adds to the step, from the measured cost of ubatches
+  by their rows (:class:`StepCosts`, :func:`ubatches`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ MAX_NGRAM = 4
 MIN_NGRAM = 2
 # How far back the lookup searches (tokens), so that a long context costs little.
 LOOKBACK = 4096
+# A row's cost in a ubatch beyond the one size measured, as a share of that size's
+# cost a row: a first guess, replaced once a step of more rows is measured.
+ROW_PRIOR = 0.5
 # Weight of the newest step in a sequence's measured acceptance.
 ALPHA = 0.3
 # A new sequence's acceptance before it is measured: drafts of 3 tokens.
@@ -229,57 +234,119 @@ class DraftLength:
         return max(1, min(self.max_draft, math.floor(math.log(0.5) / math.log(a))))
 
 
+def ubatches(rows: Sequence[tuple[int, int]], *, unified: bool, n_ubatch: int) -> list[int]:
+    """The rows of each ubatch llama.cpp splits a step into: ``rows`` is each
+    sequence's (slot, rows) in slot order. A unified pool takes the step in ubatches
+    of up to ``n_ubatch`` rows (``split_simple``). With a KV stream per slot
+    (``split_equal``, sequential) a ubatch is a run of sequences with consecutive
+    slots, the first with rows left first, and the same number of rows from each: as
+    many as the one with fewest left has, within ``n_ubatch``. So a step of sixteen
+    sequences where one verifies a draft of 4 is a ubatch of 16 rows and 4 ubatches of
+    one; sixteen that each verify a draft of 4 are one ubatch of 80."""
+    if unified:
+        total = sum(n for _, n in rows)
+        return [min(n_ubatch, total - i) for i in range(0, total, n_ubatch)]
+    left = [[slot, n] for slot, n in rows if n > 0]
+    out: list[int] = []
+    while left:
+        run = [left[0]]
+        for item in left[1:]:
+            if item[0] != run[-1][0] + 1:
+                break
+            run.append(item)
+        take = max(1, min(min(n for _, n in run), n_ubatch // len(run)))
+        for item in run:
+            item[1] -= take
+        out.append(take * len(run))
+        left = [item for item in left if item[1] > 0]
+    return out
+
+
 class StepCosts:
-    """Measured seconds of a decode step by its shape: how many sequences it holds,
-    and its depth, the most rows any one of them has (1 for a step of next tokens
-    only; 1 + k with a draft of k). Depth matters apart from the row count: where each
-    slot has a KV stream of its own, llama.cpp computes a step as one pass over the
-    weights per row of depth, so one sequence's draft of 4 makes the whole step 5
-    passes, while at one sequence it is one pass of 5 rows.
+    """Measured seconds of a ubatch by its rows, and from them a step's: the sum of
+    its ubatches' (see :func:`ubatches`). On a CPU a ubatch is one pass over the
+    weights plus work for each row: a draft verified by a sequence alone costs little
+    more than its plain step, while a draft that adds a ubatch to a full step costs a
+    pass over the weights.
 
-    A moving average for each shape seen; a shape not seen is estimated from the same
-    depth at the nearest sequence count, scaled as depth-1 steps scale between the two
-    counts (interpolated over the counts measured), or None: not measured yet."""
+    Every step that is one ubatch measures its row count (a moving average); a row
+    count not measured is interpolated between the nearest measured, or extrapolated
+    beyond the largest."""
 
-    def __init__(self) -> None:
-        self._seconds: dict[tuple[int, int], float] = {}
+    def __init__(self, *, unified: bool = False, n_ubatch: int = 512) -> None:
+        self.unified = unified
+        self.n_ubatch = n_ubatch
+        self._seconds: dict[int, float] = {}
 
-    def observe(self, sequences: int, depth: int, seconds: float) -> None:
-        key = (sequences, depth)
-        last = self._seconds.get(key)
-        self._seconds[key] = seconds if last is None else last + ALPHA * (seconds - last)
+    def observe(self, rows: Sequence[tuple[int, int]], seconds: float) -> None:
+        split = ubatches(rows, unified=self.unified, n_ubatch=self.n_ubatch)
+        if len(split) != 1:
+            return  # which of its ubatches took how long is not known
+        last = self._seconds.get(split[0])
+        self._seconds[split[0]] = seconds if last is None else last + ALPHA * (seconds - last)
 
-    def estimate(self, sequences: int, depth: int) -> float | None:
+    def estimate(self, rows: Sequence[tuple[int, int]]) -> float | None:
+        """A step's seconds, or None while no ubatch has been measured."""
+        total = 0.0
+        for n in ubatches(rows, unified=self.unified, n_ubatch=self.n_ubatch):
+            seconds = self.ubatch(n)
+            if seconds is None:
+                return None
+            total += seconds
+        return total
+
+    def ubatch(self, n: int) -> float | None:
         seconds = self._seconds
-        if (sequences, depth) in seconds:
-            return seconds[(sequences, depth)]
-        if depth == 1:
-            return self._plain(sequences)
-        known = [b for b, d in seconds if d == depth]
-        if not known:
-            return None
-        nearest = min(known, key=lambda b: (abs(b - sequences), b))
-        here, there = self._plain(sequences), self._plain(nearest)
-        scale = here / there if here is not None and there else 1.0
-        return seconds[(nearest, depth)] * scale
-
-    def _plain(self, sequences: int) -> float | None:
-        """A depth-1 step of ``sequences``: measured, or interpolated between the
-        nearest counts measured (scaled from the nearest one beyond them)."""
-        plain = {b: s for (b, d), s in self._seconds.items() if d == 1}
-        if sequences in plain:
-            return plain[sequences]
-        if not plain:
-            return None
-        below = max((b for b in plain if b < sequences), default=None)
-        above = min((b for b in plain if b > sequences), default=None)
+        if n in seconds:
+            return seconds[n]
+        below = max((m for m in seconds if m < n), default=None)
+        above = min((m for m in seconds if m > n), default=None)
         if below is not None and above is not None:
-            f = (sequences - below) / (above - below)
-            return plain[below] + f * (plain[above] - plain[below])
+            f = (n - below) / (above - below)
+            return seconds[below] + f * (seconds[above] - seconds[below])
         if below is not None:
-            return plain[below] * sequences / below
-        assert above is not None
-        return plain[above]
+            # Beyond the largest measured: on along the line through the two largest,
+            # or with one measured, each row half a pass more (a guess that gets a
+            # first draft tried, whose step then measures it).
+            under = max((m for m in seconds if m < below), default=None)
+            if under is None:
+                return seconds[below] * (1.0 + ROW_PRIOR * (n - below) / below)
+            slope = max(0.0, (seconds[below] - seconds[under]) / (below - under))
+            return seconds[below] + slope * (n - below)
+        if above is not None:
+            return seconds[above]
+        return None
+
+
+def best_cap(
+    drafts: Sequence[tuple[int, int, DraftLength]],
+    plain: Sequence[int],
+    costs: StepCosts,
+) -> int:
+    """How many draft tokens each drafting sequence verifies this step (0: none):
+    the cap that writes the most tokens a second by the measured costs. ``drafts``
+    are the drafting sequences' (slot, tokens drafted, length), ``plain`` the slots
+    of the other decoding sequences. A step writes a token for every sequence plus
+    the draft tokens expected kept, in the time of its ubatches: alone, a sequence
+    verifies long drafts (a row costs a fraction of a pass over the weights); beside
+    many others, only drafts kept often enough to pay for the pass they add."""
+    if not drafts:
+        return 0
+    sequences = len(drafts) + len(plain)
+    deepest = max(n for _, n, _ in drafts)
+    best, best_rate = 0, 0.0
+    for cap in range(deepest + 1):
+        rows = sorted(
+            [(slot, 1) for slot in plain] + [(slot, 1 + min(n, cap)) for slot, n, _ in drafts]
+        )
+        seconds = costs.estimate(rows)
+        if seconds is None or seconds <= 0.0:
+            return 0
+        written = sequences + sum(length.expected_accepted(min(n, cap)) for _, n, length in drafts)
+        rate = written / seconds
+        if rate > best_rate:
+            best, best_rate = cap, rate
+    return best
 
 
 @dataclass
@@ -298,19 +365,6 @@ class Speculation:
         self.accepted += accepted
 
 
-def pays(expected_accepted: float, step_s: float, verify_s: float, sequences: int = 1) -> bool:
-    """Whether verifying drafts in a step is worth it: the step writes ``sequences``
-    tokens in ``step_s`` without them, and ``expected_accepted`` more in ``verify_s``
-    with them (every sequence of the batch waits for the longer step). It pays when the
-    tokens a second come out ahead: ``(sequences + expected) / verify_s >
-    sequences / step_s``. One sequence alone: the draft must cost less than the steps
-    it saves; in a full batch, a draft's extra cells slow every sequence, and pay
-    only for a high acceptance."""
-    if step_s <= 0.0 or verify_s <= 0.0:
-        return False
-    return (sequences + expected_accepted) / verify_s > sequences / step_s
-
-
 __all__ = [
     "MAX_DRAFT",
     "DraftLength",
@@ -320,7 +374,8 @@ __all__ = [
     "Verdict",
     "accept_greedy",
     "accept_sampled",
+    "best_cap",
     "draft",
-    "pays",
+    "ubatches",
     "verify",
 ]

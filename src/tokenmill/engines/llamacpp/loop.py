@@ -45,7 +45,14 @@ from tokenmill.engines.llamacpp.outputs import OutputRows
 from tokenmill.engines.llamacpp.sampling import build_sampler
 from tokenmill.engines.llamacpp.threads import ThreadTuner
 from tokenmill.engines.logprobs import finite
-from tokenmill.engines.speculative import NgramIndex, Speculation, StepCosts, pays, verify
+from tokenmill.engines.speculative import (
+    MAX_DRAFT,
+    NgramIndex,
+    Speculation,
+    StepCosts,
+    best_cap,
+    verify,
+)
 from tokenmill.errors import EngineError
 
 T = TypeVar("T")
@@ -115,10 +122,10 @@ class DecodeLoop:
         self._pause_s = 0.0  # the pause owed after the last step
         self._embedder = embedder
         # Speculative decoding (speculative = "ngram", or a request's own choice):
-        # drafts by prompt lookup, verified in the step, while the measured step costs
-        # (of the steps while a choice may draft) say it pays.
+        # drafts by prompt lookup, verified in the step, as long as the measured costs
+        # of ubatches (from the steps while drafting is on) say pays.
         self.speculate = speculate
-        self.step_costs = StepCosts()
+        self.step_costs = StepCosts(unified=context.unified, n_ubatch=context.batch_cap)
         self._requests = RequestQueue()  # guarded by cv
         self._aborts: set[str] = set()
         self.running: dict[str, Choice] = {}  # by key, in arrival order
@@ -394,8 +401,8 @@ class DecodeLoop:
             raise RuntimeError(f"llama_decode returned {rc}")
         if tuner is not None:
             tuner.observe(threads, n, context.decoded_at - started)
-        if speculating:
-            self.step_costs.observe(*_shape(plan), context.decoded_at - started)
+        if speculating or self.speculate:
+            self.step_costs.observe(_rows(plan), context.decoded_at - started)
         if self._background_only(plan):
             # Background work takes at most half the engine's time while foreground
             # requests come: a step under way is what their first token waits for.
@@ -426,36 +433,33 @@ class DecodeLoop:
         if any(not s.prefilled and s.leader is None for s in self.running.values()):
             return  # a prompt to prefill: its first token does not wait for drafts
         drafting: list[Choice] = []
+        plain: list[int] = []
         for seq in self.running.values():
-            spec = seq.spec
-            if spec is None or not seq.prefilled or seq.done:
+            if not seq.prefilled or seq.done:
                 continue
-            if spec.length.length() == 0:
+            spec = seq.spec
+            if spec is not None and spec.length.length() == 0:
                 spec.length.rest()
-            k = min(
-                spec.length.length(),
-                seq.sampling.max_tokens - seq.generated - 1,
-                self.context.n_ctx_seq - (len(seq.prompt) + seq.generated) - 1,
-            )
-            seq.draft = spec.index.draft(k)
-            if seq.draft:
-                drafting.append(seq)
+            elif spec is not None:
+                k = min(
+                    MAX_DRAFT,
+                    seq.sampling.max_tokens - seq.generated - 1,
+                    self.context.n_ctx_seq - (len(seq.prompt) + seq.generated) - 1,
+                )
+                seq.draft = spec.index.draft(k)
+                if seq.draft:
+                    drafting.append(seq)
+                    continue
+            plain.append(seq.slot)
         if not drafting:
             return
-        decoding = sum(1 for s in self.running.values() if s.prefilled)
-        depth = 1 + max(len(s.draft) for s in drafting)
-        step_s = self.step_costs.estimate(decoding, 1)
-        verify_s = self.step_costs.estimate(decoding, depth)
-        if step_s is None:  # a plain step first: what drafts are weighed against
-            for seq in drafting:
-                seq.draft = []
-            return
-        if verify_s is None:
-            return  # never measured at this depth: these drafts measure it
-        expected = sum(s.spec.length.expected_accepted(len(s.draft)) for s in drafting if s.spec)
-        if not pays(expected, step_s, verify_s, sequences=decoding):
-            for seq in drafting:
-                seq.draft = []
+        cap = best_cap(
+            [(s.slot, len(s.draft), s.spec.length) for s in drafting if s.spec is not None],
+            plain,
+            self.step_costs,
+        )
+        for seq in drafting:
+            seq.draft = seq.draft[:cap]
 
     def _verify(self, seq: Choice, idxs: list[int], events: Events) -> None:
         """``seq``'s next token from output ``idxs[0]``, and while each is the draft
@@ -466,15 +470,27 @@ class DecodeLoop:
         of the draft tokens not kept leave the slot before anything reads it."""
         drafted, spec = seq.draft[: len(idxs) - 1], seq.spec
         assert spec is not None
+        written: Events = []
 
         def draw(i: int) -> int | None:
             idx = idxs[i]
             logprobs = None if seq.aligner is None else self.rows.row(idx)
             token = self.rows.sample(seq, idx)
-            self._emit(seq, token, logprobs, events)
+            self._emit(seq, token, logprobs, written)
             return None if seq.done else token
 
         kept = verify(drafted, draw)
+        # The step's tokens of this choice leave as one delta: an event less a token
+        # kept on every hop to the client.
+        for item in written:
+            last = events[-1] if events and events[-1][0] is seq else None
+            joined = None
+            if last is not None and isinstance(last[1], Chunk) and isinstance(item[1], Chunk):
+                joined = last[1].then(item[1])
+            if joined is None:
+                events.append(item)
+            else:
+                events[-1] = (seq, joined)
         if not seq.done:  # (an ended choice's slot kept only its record: KvSlots.release)
             # The cells that stay: those the slot's record holds (the previous token's
             # and the drafts kept).
@@ -636,10 +652,10 @@ class DecodeLoop:
         self._post_events([(seq.request_id, item) for seq, item in events])
 
 
-def _shape(plan: BatchPlan) -> tuple[int, int]:
-    """A step's sequences and its depth, the most rows any one of them has (see
-    tokenmill.engines.speculative.StepCosts)."""
+def _rows(plan: BatchPlan) -> list[tuple[int, int]]:
+    """A step's (slot, rows) for each sequence in it, in slot order (see
+    tokenmill.engines.speculative.ubatches)."""
     rows: dict[int, int] = {}
     for _, _, slot, _ in plan.rows:
         rows[slot] = rows.get(slot, 0) + 1
-    return len(rows), max(rows.values(), default=0)
+    return sorted(rows.items())
