@@ -227,6 +227,12 @@ def median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+def parts_at(a: str, b: str) -> int:
+    """Where two texts first differ (the shorter one's length if one begins the other)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def report(results: dict[str, Any]) -> str:
     runs = results["runs"]
     keys = [f"{w}@{c}" for w in WORKLOADS for c in (1, 16)]
@@ -258,6 +264,15 @@ def report(results: dict[str, Any]) -> str:
         )
 
     tm_same = same("tokenmill-ngram", "tokenmill")
+    for name, ref in (("tokenmill-ngram", "tokenmill"), ("llama-ngram-mod", "llama-server")):
+        for k in keys:
+            if not k.endswith("@1"):
+                continue
+            for a, b in zip(runs[name][k], runs[ref][k], strict=True):
+                for i, (x, y) in enumerate(zip(a["texts"], b["texts"], strict=False)):
+                    if x != y:
+                        at = parts_at(x, y)
+                        lines.append(f"    {name} {k} prompt {i}: parts from {ref} at char {at}")
     lines.append(
         f"greedy answers the same as without drafts: tokenmill {tm_same}, "
         f"ngram-simple {same('llama-ngram-simple', 'llama-server')}, "

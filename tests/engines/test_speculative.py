@@ -188,7 +188,9 @@ def test_step_costs_are_their_ubatches_measured_and_interpolated() -> None:
     # Beyond the largest measured: on along the line through the two largest.
     assert costs.ubatch(13) == pytest.approx(0.022)
     # A step of two ubatches costs both, and measures neither.
-    assert costs.estimate([(0, 5), (1, 1)]) == pytest.approx(costs.ubatch(2) + costs.ubatch(4))
+    two, four = costs.ubatch(2), costs.ubatch(4)
+    assert two is not None and four is not None
+    assert costs.estimate([(0, 5), (1, 1)]) == pytest.approx(two + four)
     costs.observe([(0, 5), (1, 1)], 1.0)
     assert costs.ubatch(2) == pytest.approx(0.011)
     costs.observe([(0, 1)], 0.020)  # a moving average

@@ -308,7 +308,9 @@ class LlamaCppDeployment(ReplicatedDeployment):
     rope_scaling: Literal["none", "linear", "yarn"] | None = None
     # Speculative decoding without a draft model: "ngram" drafts each sequence's next
     # tokens from its own prompt and output (prompt lookup) and verifies them in the
-    # step, while measured step costs say it pays; greedy answers stay the same
+    # step, while measured step costs say it pays; each token is sampled from the
+    # logits after exactly the tokens before it, so greedy answers are the plain ones
+    # where llama.cpp computes a row alike beside its draft
     # (docs/operations.md#speculative-decoding). "off": a token a step.
     speculative: Literal["ngram", "off"] = "off"
     rope_scale: float | None = Field(default=None, ge=1.0, allow_inf_nan=False)

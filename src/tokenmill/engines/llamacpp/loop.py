@@ -375,6 +375,7 @@ class DecodeLoop:
             events.append((last, Chunk("", "abort", group.usage(), index=last.index)))
 
     def _step(self, events: Events) -> None:
+        begun = time.monotonic()
         context = self.context
         capacity = context.batch_cap
         if context.unified:
@@ -401,8 +402,6 @@ class DecodeLoop:
             raise RuntimeError(f"llama_decode returned {rc}")
         if tuner is not None:
             tuner.observe(threads, n, context.decoded_at - started)
-        if speculating or self.speculate:
-            self.step_costs.observe(_rows(plan), context.decoded_at - started)
         if self._background_only(plan):
             # Background work takes at most half the engine's time while foreground
             # requests come: a step under way is what their first token waits for.
@@ -425,6 +424,10 @@ class DecodeLoop:
             else:
                 self._advance(seq, idx, logprobs, events)
             seq.draft = []
+        if speculating or self.speculate:
+            # The whole step, its planning and sampling too: what a draft's tokens
+            # save is steps, each of them all of this.
+            self.step_costs.observe(_rows(plan), time.monotonic() - begun)
 
     def _plan_drafts(self) -> None:
         """Each decoding choice's draft for this step (``choice.draft``): as long as its
@@ -465,7 +468,8 @@ class DecodeLoop:
         """``seq``'s next token from output ``idxs[0]``, and while each is the draft
         token that followed it, the next from the following row: every token written
         is sampled by its own sampler chain from the logits after exactly the tokens
-        before it, so greedy answers are the same as without drafts and sampled ones
+        before it, so greedy answers are those without drafts (as far as llama.cpp
+        computes a row alike beside its draft: docs/operations.md) and sampled ones
         are distributed as the model's (see tokenmill.engines.speculative). The cells
         of the draft tokens not kept leave the slot before anything reads it."""
         drafted, spec = seq.draft[: len(idxs) - 1], seq.spec
