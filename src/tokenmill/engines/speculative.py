@@ -46,7 +46,7 @@ LOOKBACK = 4096
 ROW_PRIOR = 0.5
 # Weight of the newest step in a sequence's measured acceptance.
 ALPHA = 0.3
-# A new sequence's acceptance before it is measured: drafts of 3 tokens.
+# A new sequence's acceptance before it is measured.
 PRIOR = 0.8
 # A sequence not drafting (its acceptance too low) moves back toward PRIOR by this
 # much of the way each step, so that it tries again after a while (the text changes).
@@ -264,10 +264,12 @@ def ubatches(rows: Sequence[tuple[int, int]], *, unified: bool, n_ubatch: int) -
 
 class StepCosts:
     """Measured seconds of a ubatch by its rows, and from them a step's: the sum of
-    its ubatches' (see :func:`ubatches`). On a CPU a ubatch is one pass over the
-    weights plus work for each row: a draft verified by a sequence alone costs little
-    more than its plain step, while a draft that adds a ubatch to a full step costs a
-    pass over the weights.
+    its ubatches' (see :func:`ubatches`). A ubatch is one pass over the weights plus
+    work for each row: where a row costs a small share of the pass (a GPU, a large
+    model) a lone sequence's draft costs little more than its plain step; where it
+    costs most of it (SmolLM2's Q4_1 on a small CPU: ~0.6, docs/benchmarks.md) only
+    drafts kept nearly always pay; and a draft that adds a ubatch to a full step
+    costs a whole pass.
 
     Every step that is one ubatch measures its row count (a moving average); a row
     count not measured is interpolated between the nearest measured, or extrapolated

@@ -123,7 +123,7 @@ class DecodeLoop:
         self._embedder = embedder
         # Speculative decoding (speculative = "ngram", or a request's own choice):
         # drafts by prompt lookup, verified in the step, as long as the measured costs
-        # of ubatches (from the steps while drafting is on) say pays.
+        # of ubatches (from the steps while drafting is on) say it pays.
         self.speculate = speculate
         self.step_costs = StepCosts(unified=context.unified, n_ubatch=context.batch_cap)
         self._requests = RequestQueue()  # guarded by cv
@@ -430,9 +430,11 @@ class DecodeLoop:
             self.step_costs.observe(_rows(plan), time.monotonic() - begun)
 
     def _plan_drafts(self) -> None:
-        """Each decoding choice's draft for this step (``choice.draft``): as long as its
-        acceptance says, within its ``max_tokens`` and context; none at all when the
-        measured step costs say verifying them would cost more than they save."""
+        """Each decoding choice's draft for this step (``choice.draft``): those whose
+        acceptance is high enough look up a draft (within ``max_tokens`` and the
+        context), and every draft is cut to the length that writes the most tokens a
+        second by the measured ubatch costs (none at all where verifying costs more
+        than it saves)."""
         if any(not s.prefilled and s.leader is None for s in self.running.values()):
             return  # a prompt to prefill: its first token does not wait for drafts
         drafting: list[Choice] = []
