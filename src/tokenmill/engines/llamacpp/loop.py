@@ -424,9 +424,10 @@ class DecodeLoop:
             else:
                 self._advance(seq, idx, logprobs, events)
             seq.draft = []
-        if speculating or self.speculate:
+        if (speculating or self.speculate) and not plan.prefills:
             # The whole step, its planning and sampling too: what a draft's tokens
-            # save is steps, each of them all of this.
+            # save is steps, each of them all of this. Decode steps only: a prompt's
+            # rows want no logits, and cost less than the rows a draft adds.
             self.step_costs.observe(_rows(plan), time.monotonic() - begun)
 
     def _plan_drafts(self) -> None:
