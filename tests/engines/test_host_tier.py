@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.engines.test_cache_publishing import Published, matches
+from tests.engines.test_cache_publishing import Published, matches, settled
 from tests.engines.test_cache_publishing import parked as parked_chains
 from tests.engines.test_kv_copy import decode
 from tokenmill.engines.base import GenerationRequest, SamplingParams, Usage
@@ -206,8 +206,10 @@ async def test_a_closed_engines_slots_are_found_on_disk_by_the_next(tmp_path: Pa
         index = published.index()
         assert index.tiers(names, index.cached_blocks(names)) == {0: "disk"}
         got, second = await complete(eng, "a-2", first + text + " Also,", 16)
+        # (The slot's release writes its sequence on the disk tier's thread, which
+        # announces the file when written: after the answer, at its own pace.)
+        await settled(eng, published, "the restored turn")
         stats = eng.kv_stats()
-        assert matches(eng, published.index())
     assert second.cached_tokens >= usage.prompt_tokens
     assert stats["disk_hits"] == 1 and stats["disk_restored_tokens"] == second.cached_tokens
     assert got == expected
