@@ -203,6 +203,20 @@ def test_a_history_moves_where_there_is_room_when_that_beats_waiting_and_computi
     assert CacheAware().choose([gone, movable[1]], query).move_from is None
 
 
+def test_a_move_is_never_made_for_a_faster_measured_prefill() -> None:
+    """Both replicas idle, one holding most of a new prompt (a shared document): it is
+    served where it is, even when the other replica measured twice as fast at prefill
+    (which would make the move look cheaper: the rest of the prompt at the target's
+    speed). The move's rest counts at the slower of the two speeds; it is made for load
+    (the test above), never for a speed estimate. (Failed in CI: under load the two
+    replicas measured 2x apart, and a story was sent away from its document.)"""
+    holder = view(0, slots=1, cached_tokens=144, movable=True, prefill_s=2e-3)
+    fast = view(1, slots=1, movable=True, prefill_s=1e-3)
+    d = CacheAware().choose([holder, fast], RouteQuery(170, max_tokens=400))
+    assert (d.index, d.move_from, d.cached_tokens) == (0, None, 144)
+    assert d.score_s == pytest.approx(26 * 2e-3)
+
+
 def test_a_slower_replica_gets_less() -> None:
     fast, slow = view(0, prefill_s=1e-3, decode_s=1e-2), view(1, prefill_s=3e-3, decode_s=3e-2)
     assert CacheAware().choose([slow, fast], PROMPT).index == 0

@@ -52,7 +52,11 @@ queue), or load is badly imbalanced (below).
 prompt than the one scored (``movable`` both, at least :data:`MOVE_MIN_TOKENS` more)
 can send it: the score of that option counts the moved tokens at the measured
 ``move_s`` a token (:data:`MOVE_S` before any move is measured: export, transfer
-through the gateway, import) plus :data:`RESTORE_S`, instead of computing them. Each
+through the gateway, import) plus :data:`RESTORE_S`, instead of computing them, and the
+rest of the prompt at the slower of the two replicas' measured prefill speeds: a move
+is chosen for room and load, never because the target measured faster (the estimates
+swing with whatever else runs on a host, and moving 150 tokens to save a few ms of
+noise is no gain). Each
 candidate is scored with its better option; choosing a move sets the decision's
 ``move_from`` (the deployment fetches the state before it dispatches, and computes
 the prompt if the move fails). So when its home is busy, a conversation goes where
@@ -151,8 +155,8 @@ class CacheAware:
             rest = wait + (r.in_flight * d * horizon / 2 if new_sequence else 0.0)
             busy = r.in_flight * p + (d / 2 if r.in_flight else 0.0)
 
-            def ttft(cached: int, load_s: float) -> float:
-                return max(query.prompt_tokens - cached, 0) * p + load_s + busy
+            def ttft(cached: int, load_s: float, per_token: float = p) -> float:
+                return max(query.prompt_tokens - cached, 0) * per_token + load_s + busy
 
             load = r.cached_tokens * _LOAD_S.get(r.cached_tier or "slot", 0.0)
             own = _Option(r, ttft(r.cached_tokens, load) + rest)
@@ -162,7 +166,11 @@ class CacheAware:
             if donor is None or donor.cached_tokens < r.cached_tokens + MOVE_MIN_TOKENS:
                 return own
             n = donor.cached_tokens
-            moved = ttft(n, n * ((donor.move_s or MOVE_S) + RESTORE_S)) + rest
+            # The rest of the prompt at the slower of the two prefill speeds: a move is
+            # made for room and load, never for a measured speed difference (an
+            # estimate that swings with what else runs on the host).
+            slower = max(p, donor.prefill_s or prefill)
+            moved = ttft(n, n * ((donor.move_s or MOVE_S) + RESTORE_S), slower) + rest
             return own if own.score_s <= moved else _Option(r, moved, donor)
 
         options = {r.index: option(r) for r in pool}
