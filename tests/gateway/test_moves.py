@@ -17,6 +17,7 @@ from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.moves import KvMoves
 from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, RoutingName
 from tokenmill.replicas import ReplicaHost
+from tokenmill.replicas.host import KvLink, KvParcel
 
 STATE = KvState(tuple(range(200)), b"\x01" * 4000, "fp")
 
@@ -24,8 +25,14 @@ STATE = KvState(tuple(range(200)), b"\x01" * 4000, "fp")
 class Host:
     """The two calls a move makes, scripted."""
 
-    def __init__(self, export: Any = STATE, take: bool = True, delay: float = 0.0) -> None:
-        self.export, self.take, self.delay = export, take, delay
+    def __init__(
+        self,
+        export: Any = STATE,
+        take: bool = True,
+        delay: float = 0.0,
+        link: KvLink | None = None,
+    ) -> None:
+        self.export, self.take, self.delay, self.link = export, take, delay, link
         self.imported: list[KvState] = []
         self.asked: list[tuple[tuple[int, ...], int]] = []
 
@@ -40,6 +47,31 @@ class Host:
     async def import_kv(self, state: KvState) -> bool:
         self.imported.append(state)
         return self.take
+
+    def kv_link(self) -> KvLink | None:
+        return self.link
+
+
+class Link:
+    """A KvLink scripted: a store of parcels by handle, as Ray's object store."""
+
+    def __init__(self, kind: str, store: dict[int, bytes], export: KvState | None = STATE):
+        self.kind, self.store, self.export = kind, store, export
+        self.imported: list[KvState] = []
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvParcel | None:
+        if self.export is None:
+            return None
+        handle = len(self.store)
+        self.store[handle] = self.export.state
+        s = self.export
+        return KvParcel(s.tokens, len(s.state), s.fingerprint, self.kind, handle)
+
+    async def import_kv(self, parcel: KvParcel) -> bool:
+        assert parcel.kind == self.kind
+        blob = self.store[cast(int, parcel.handle)]
+        self.imported.append(KvState(parcel.tokens, blob, parcel.fingerprint))
+        return True
 
 
 def host(h: Host) -> ReplicaHost:
@@ -56,6 +88,34 @@ async def test_a_move_hands_the_donors_state_to_the_target() -> None:
     assert (moves.outcomes["moved"], moves.bytes_moved, moves.tokens_moved) == (1, 4000, 200)
     assert moves.move_s is not None and moves.move_s > 0
     assert moves.describe()["bytes"] == 4000
+
+
+async def test_state_goes_by_the_replicas_own_link_when_both_have_one_of_a_kind() -> None:
+    """Two replicas with links of one kind (Ray actors: the object store) move state
+    through it, and the gateway only hands a reference on: neither host's own
+    export or import is called. Links of other kinds, or only one replica with a
+    link, go through the gateway."""
+    store: dict[int, bytes] = {}
+    donor = Host(link=Link("store", store))
+    taker = Link("store", store)
+    target = Host(link=taker)
+    moves = KvMoves()
+    got = await moves.move(host(donor), host(target), list(range(250)), min_tokens=128, budget_s=5)
+    assert got == "moved" and taker.imported == [STATE]
+    assert donor.asked == [] and target.imported == []  # the gateway's path unused
+    assert moves.via == {"store": 1} and moves.bytes_moved == 4000
+    # Missing on the donor's side: said so, as through the gateway.
+    empty = Host(link=Link("store", store, export=None))
+    assert await moves.move(host(empty), host(target), [1], min_tokens=1, budget_s=5) == "missing"
+    # One link only, on either side: through the gateway.
+    for a, b in ((Host(link=Link("store", store)), Host()), (Host(), Host(link=taker))):
+        assert await moves.move(host(a), host(b), [1], min_tokens=1, budget_s=5) == "moved"
+        assert b.imported == [STATE]
+    other = Host(link=Link("elsewhere", {}))
+    assert await moves.move(host(other), host(target), [1], min_tokens=1, budget_s=5) == "moved"
+    assert target.imported == [STATE]  # by the gateway: the kinds differ
+    assert moves.via == {"store": 1, "gateway": 3}
+    assert moves.describe()["via"] == {"store": 1, "gateway": 3}
 
 
 @pytest.mark.parametrize(

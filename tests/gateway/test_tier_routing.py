@@ -118,12 +118,13 @@ def test_a_busy_homes_history_moves_with_the_next_turn(gw: ServerProcess) -> Non
     conversation's document, which parked the conversation there); the next turn goes
     to the other replica, and its history moves with it instead of being computed
     again: the route says from where, and the answer reports it cached."""
-    busy_home_moves(gw, "notes")
+    busy_home_moves(gw, "notes", via="gateway")  # process replicas: through the gateway
 
 
-def busy_home_moves(gw: ServerProcess, model: str) -> None:
+def busy_home_moves(gw: ServerProcess, model: str, via: str) -> None:
     """The scenario above, on deployment ``model`` of 2 replicas of one slot each
-    (process replicas here; Ray actors in tests/replicas/test_ray.py)."""
+    (process replicas here; Ray actors in tests/replicas/test_ray.py), the state
+    moved ``via`` the gateway or a link of the replicas' own."""
     doc = (
         "Notes for a museum guide. The salt roads of the Sahara and the caravans "
         "that crossed them, in three paragraphs. "
@@ -152,6 +153,7 @@ def busy_home_moves(gw: ServerProcess, model: str) -> None:
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt_before, body
     dep = httpx.get(f"{gw.url}/v1/deployments/{model}", timeout=HANG_S).json()
     assert dep["kv_moves"]["moved"] >= 1 and dep["kv_moves"]["bytes"] > 0, dep["kv_moves"]
+    assert dep["kv_moves"]["via"] == {via: dep["kv_moves"]["moved"]}, dep["kv_moves"]
     metrics = httpx.get(f"{gw.url}/metrics", timeout=HANG_S).text
     moved = [
         float(m.rsplit(" ", 1)[1])

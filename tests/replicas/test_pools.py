@@ -27,6 +27,7 @@ import pytest
 
 from tests.conftest import RayCluster, ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
+from tests.gateway.test_tier_routing import busy_home_moves
 from tests.sse import DONE, events, text
 from tests.waiting import HANG_S, wait_until
 
@@ -275,6 +276,20 @@ def test_both_gateways_of_a_pool_see_what_its_replicas_parked(
         assert cached >= body["usage"]["prompt_tokens"], (t, again["usage"])
         tiers.append(route["tier"])
     assert "host" in tiers and set(tiers) <= {"slot", "host"}, tiers
+
+
+def test_a_pools_busy_home_sends_its_history_through_the_object_store(
+    pool: str, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
+) -> None:
+    # The real model, a pool of two replicas of one slot: a continuation whose home is
+    # busy goes to the other pool replica, its KV state through Ray's object store
+    # from one pool actor to the other.
+    config = (
+        f"ray_address = {ray_cluster.address!r}\n"
+        f'[[deployments]]\nid = "pooled"\nplacement = "ray"\npool = "{pool}"\n'
+        "replicas = 2\nmax_num_seqs = 1\nn_ctx = 1024\nn_threads = 1\nray_num_cpus = 0.25\n"
+    )
+    busy_home_moves(start_server(config=config), "pooled", via="ray_object_store")
 
 
 def scaled_pool(driver: EngineDriver, cluster: RayCluster, pool: str) -> str:

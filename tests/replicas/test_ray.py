@@ -248,14 +248,14 @@ def test_a_busy_homes_history_moves_between_ray_actors(
     ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
 ) -> None:
     # Two Ray actors of one slot each: a continuation whose home is busy goes to the
-    # other actor, its KV state exported by one actor and imported by the other over
-    # their gateway connections.
+    # other actor, its KV state exported by one actor into Ray's object store and
+    # imported from there by the other: the gateway passes only a reference on.
     config = (
         f"ray_address = {ray_cluster.address!r}\n"
         '[[deployments]]\nid = "moves"\nplacement = "ray"\nreplicas = 2\n'
         "max_num_seqs = 1\nn_ctx = 1024\nn_threads = 1\nray_num_cpus = 0.5\n"
     )
-    busy_home_moves(start_server(config=config), "moves")
+    busy_home_moves(start_server(config=config), "moves", via="ray_object_store")
 
 
 def run_on_ray(cluster: RayCluster, scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -6,8 +6,11 @@ decision names the donor (:attr:`~tokenmill.gateway.routing.Decision.move_from`)
 :class:`KvMoves` carries it out before the request is dispatched: the donor exports
 the sequence (from a slot, its host-memory tier or its disk tier), the target
 imports it as a parked sequence, and the target's placement then restores it for
-the request, computing only the rest. Both hops go through the gateway's replica
-connections (a process replica's socket, a Ray actor's), the state as a raw blob.
+the request, computing only the rest. Between two replicas with a
+:class:`~tokenmill.replicas.host.KvLink` of one kind (Ray actors: the object store)
+the state goes that way, and the gateway only passes a reference on; otherwise both
+hops go through the gateway's replica connections (a process replica's socket), the
+state as a raw blob. ``via`` counts the moves made each way.
 
 A move never fails a request: a donor that no longer holds the prefix, a target that
 refuses the state (no room, another model), an error or a move slower than its
@@ -50,6 +53,8 @@ class KvMoves:
     )
     bytes_moved: int = 0
     tokens_moved: int = 0
+    # Moves made, by the way the state went: "gateway", or a KvLink's kind.
+    via: dict[str, int] = field(default_factory=dict)
     move_s: float | None = None  # measured seconds a moved token (None: none yet)
     # Sequences a replica about to stop handed to those that stay (autoscaling).
     handed_off: int = 0
@@ -69,19 +74,34 @@ class KvMoves:
         started = time.monotonic()
         outcome: MoveOutcome
         size = n = 0
+        sender, taker = donor.kv_link(), target.kv_link()
+        if sender is None or taker is None or sender.kind != taker.kind:
+            sender = taker = None
+        way = "gateway" if sender is None else sender.kind
         try:
             async with asyncio.timeout(max(budget_s, MOVE_BUDGET_MIN_S)):
-                state = await donor.export_kv(prompt, min_tokens)
-                if state is None:
-                    outcome = "missing"
+                if sender is not None and taker is not None:
+                    parcel = await sender.export_kv(prompt, min_tokens)
+                    if parcel is None:
+                        outcome = "missing"
+                    else:
+                        size, n = parcel.nbytes, len(parcel.tokens)
+                        outcome = "moved" if await taker.import_kv(parcel) else "refused"
                 else:
-                    size, n = len(state.state), len(state.tokens)
-                    outcome = "moved" if await target.import_kv(state) else "refused"
+                    state = await donor.export_kv(prompt, min_tokens)
+                    if state is None:
+                        outcome = "missing"
+                    else:
+                        size, n = len(state.state), len(state.tokens)
+                        outcome = "moved" if await target.import_kv(state) else "refused"
         except Exception as e:  # (TimeoutError included) the target computes it
-            log.warning("moving a KV state between replicas failed (%s): computed instead", e)
+            log.warning(
+                "moving a KV state between replicas (%s) failed (%s): computed instead", way, e
+            )
             outcome = "failed"
         self.outcomes[outcome] += 1
         if outcome == "moved":
+            self.via[way] = self.via.get(way, 0) + 1
             self.bytes_moved += size
             self.tokens_moved += n
             per_token = (time.monotonic() - started) / max(n, 1)
@@ -95,5 +115,6 @@ class KvMoves:
             "bytes": self.bytes_moved,
             "handed_off": self.handed_off,
             "tokens": self.tokens_moved,
+            "via": dict(self.via),
             "us_per_token": None if self.move_s is None else round(self.move_s * 1e6, 2),
         }

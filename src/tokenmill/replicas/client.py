@@ -39,7 +39,7 @@ from tokenmill.engines import (
 )
 from tokenmill.errors import EngineError, ReplicaFullError, TokenmillError
 from tokenmill.kvblocks import CacheEvent
-from tokenmill.replicas.host import ReplicaLocation
+from tokenmill.replicas.host import KvLink, ReplicaLocation
 from tokenmill.replicas.wire import (
     decode_cache_event,
     decode_chunk_row,
@@ -79,6 +79,10 @@ class Channel(Protocol):
         ...
 
     def location(self) -> ReplicaLocation: ...
+
+    def kv_link(self) -> KvLink | None:
+        """Its path for KV state that skips the gateway (:class:`KvLink`), if any."""
+        ...
 
     @property
     def name(self) -> str:

@@ -61,6 +61,38 @@ class ReplicaLocation:
     actor_id: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class KvParcel:
+    """A sequence's KV state held where a :class:`KvLink` put it, not in the gateway:
+    its tokens, the state's size and fingerprint (as :class:`~tokenmill.engines.KvState`),
+    and ``handle``, what the link that exported it finds the bytes by (a Ray object
+    reference), meaningful only to a link of the same ``kind``."""
+
+    tokens: tuple[int, ...]
+    nbytes: int
+    fingerprint: str
+    kind: str
+    handle: object
+
+
+@runtime_checkable
+class KvLink(Protocol):
+    """A way for KV state to go from one replica to another without passing through
+    the gateway (:mod:`tokenmill.gateway.moves`): Ray replicas' object store. Two
+    replicas whose links are of one ``kind`` move state that way; any other pair
+    through the gateway's connections (``export_kv``, then ``import_kv``)."""
+
+    kind: str
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvParcel | None:
+        """As :meth:`ReplicaHost.export_kv`, the state left where the link keeps it."""
+        ...
+
+    async def import_kv(self, parcel: KvParcel) -> bool:
+        """As :meth:`ReplicaHost.import_kv`, for a parcel of this link's ``kind``."""
+        ...
+
+
 @runtime_checkable
 class ReplicaHost(Protocol):
     """One replica of a deployment, wherever it runs. See the module docstring."""
@@ -143,7 +175,12 @@ class ReplicaHost(Protocol):
         move state (:class:`~tokenmill.engines.KvMoving`)."""
         ...
 
+    def kv_link(self) -> KvLink | None:
+        """Its path for KV state that skips the gateway, if it has one (a Ray
+        replica's object store); None: moves go through the gateway."""
+        ...
+
     def health(self) -> EngineHealth: ...
 
 
-__all__ = ["ADMITTING", "ReplicaHost", "ReplicaLocation", "ReplicaState"]
+__all__ = ["ADMITTING", "KvLink", "KvParcel", "ReplicaHost", "ReplicaLocation", "ReplicaState"]

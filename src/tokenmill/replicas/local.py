@@ -31,7 +31,7 @@ from tokenmill.engines import (
 )
 from tokenmill.errors import InvalidRequestError
 from tokenmill.kvblocks import CacheEvent
-from tokenmill.replicas.host import ReplicaLocation, ReplicaState
+from tokenmill.replicas.host import KvLink, ReplicaLocation, ReplicaState
 
 
 class LocalHost:
@@ -170,6 +170,9 @@ class LocalHost:
         if not isinstance(self.engine, KvMoving):
             return []
         return await self.engine.held_kv(min_tokens)
+
+    def kv_link(self) -> KvLink | None:
+        return None  # in the gateway's own process already
 
     def health(self) -> EngineHealth:
         return self.engine.health()

@@ -50,10 +50,12 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from tokenmill import stages
 from tokenmill.config import ReplicatedDeployment
+from tokenmill.engines import Engine
 from tokenmill.errors import EngineError
 from tokenmill.replicas.host import ReplicaLocation
 from tokenmill.replicas.rayactor import (
     CONNECT_TIMEOUT_S,
+    ObjectStoreKv,
     RayChannel,
     acquire_ray,
     peer,
@@ -107,9 +109,12 @@ def replica_keys(section: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in section.items() if k not in GATEWAY_KEYS}
 
 
-class PoolActor:
+class PoolActor(ObjectStoreKv):
     """A pool's replica on Ray: one engine (a :class:`SharedReplica`) for every gateway
     that attaches. See the module docstring."""
+
+    def _kv_engine(self) -> Engine | None:
+        return self.replica.engine
 
     def __init__(self, section: dict[str, Any], log_level: str, nice: int) -> None:
         logging.basicConfig(

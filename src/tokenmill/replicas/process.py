@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from tokenmill.errors import EngineError
-from tokenmill.replicas.host import ReplicaLocation
+from tokenmill.replicas.host import KvLink, ReplicaLocation
 from tokenmill.replicas.wire import encode_frame, read_frame
 
 log = logging.getLogger("tokenmill.replicas.process")
@@ -52,6 +52,9 @@ class SocketChannel:
     def close_socket(self) -> None:
         with contextlib.suppress(Exception):
             self._writer.close()
+
+    def kv_link(self) -> KvLink | None:
+        return None  # its KV state goes through the gateway
 
 
 class ProcessChannel(SocketChannel):

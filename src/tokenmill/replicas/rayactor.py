@@ -54,6 +54,7 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -61,8 +62,9 @@ from ray.exceptions import RayError
 
 from tokenmill import stages
 from tokenmill.config import ReplicatedDeployment
+from tokenmill.engines import Engine, KvMoving, KvState
 from tokenmill.errors import EngineError
-from tokenmill.replicas.host import ReplicaLocation
+from tokenmill.replicas.host import KvLink, KvParcel, ReplicaLocation
 from tokenmill.replicas.process import SocketChannel
 from tokenmill.replicas.supervisor import START_TIMEOUT_S
 from tokenmill.replicas.wire import HEADER, encode_frame
@@ -169,7 +171,61 @@ def renice_threads(nice: int) -> None:
             return
 
 
-class ReplicaActor:
+class ObjectStoreKv:
+    """An actor's side of moving KV state through Ray's object store
+    (:class:`RayKvLink`): ``kv_export`` returns a sequence's description and its state
+    as two objects, so the gateway reads the small one and hands the other, by
+    reference, to the target actor's ``kv_import``; Ray carries the bytes from the
+    donor's node to the target's (within a node, through its shared memory), never
+    through the gateway. ``_kv_engine`` is the actor's loaded engine, None before."""
+
+    def _kv_engine(self) -> Engine | None:
+        raise NotImplementedError
+
+    @ray.method(num_returns=2)
+    async def kv_export(
+        self, tokens: list[int], min_tokens: int
+    ) -> tuple[dict[str, Any] | None, bytes]:
+        engine = self._kv_engine()
+        if not isinstance(engine, KvMoving):
+            return None, b""
+        got = await engine.export_kv(tokens, min_tokens)
+        if got is None:
+            return None, b""
+        described = {"tokens": list(got.tokens), "fp": got.fingerprint, "nbytes": len(got.state)}
+        return described, got.state
+
+    async def kv_import(self, tokens: list[int], fingerprint: str, state: bytes) -> bool:
+        engine = self._kv_engine()
+        if not isinstance(engine, KvMoving):
+            return False
+        return await engine.import_kv(KvState(tuple(tokens), bytes(state), fingerprint))
+
+
+class RayKvLink:
+    """The gateway's handle on a Ray replica's object-store moves (see
+    :class:`ObjectStoreKv`): a :class:`~tokenmill.replicas.host.KvLink`."""
+
+    kind = "ray_object_store"
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def export_kv(self, tokens: Sequence[int], min_tokens: int) -> KvParcel | None:
+        described, state = self.actor.kv_export.remote(list(tokens), min_tokens)
+        found: dict[str, Any] | None = await described
+        if found is None:
+            return None
+        held = tuple(int(t) for t in found["tokens"])
+        return KvParcel(held, int(found["nbytes"]), str(found["fp"]), self.kind, state)
+
+    async def import_kv(self, parcel: KvParcel) -> bool:
+        # The reference as an argument: Ray hands the actor the bytes it names.
+        taken = self.actor.kv_import.remote(list(parcel.tokens), parcel.fingerprint, parcel.handle)
+        return bool(await taken)
+
+
+class ReplicaActor(ObjectStoreKv):
     """The replica side on Ray: :func:`tokenmill.replicas.runner.serve` in an actor,
     over one authenticated TCP connection from its gateway."""
 
@@ -184,6 +240,13 @@ class ReplicaActor:
         self._listener: asyncio.Server | None = None
         self._taken = False  # the gateway's connection is accepted: no other
         self._served: asyncio.Future[int] | None = None  # the replica loop's exit code
+        self._engine: Engine | None = None  # once the replica loop has loaded it
+
+    def _kv_engine(self) -> Engine | None:
+        return self._engine
+
+    def _loaded(self, engine: Engine) -> None:
+        self._engine = engine
 
     async def open(self) -> tuple[int, str, str, int, str | None]:
         """Listen for the gateway; where: pid, node id, node address, port, and the
@@ -214,7 +277,7 @@ class ReplicaActor:
 
         code = 1
         try:
-            code = await serve_stream(reader, writer, self.section)
+            code = await serve_stream(reader, writer, self.section, self._loaded)
         except Exception:
             log.exception("the replica loop failed")
         finally:
@@ -285,6 +348,9 @@ class RayChannel(SocketChannel):
 
     def location(self) -> ReplicaLocation:
         return self._location
+
+    def kv_link(self) -> KvLink | None:
+        return RayKvLink(self.actor)
 
     async def receive(self) -> dict[str, Any] | None:
         message = await super().receive()
@@ -403,7 +469,9 @@ class RayLauncher:
 
 
 __all__ = [
+    "ObjectStoreKv",
     "RayChannel",
+    "RayKvLink",
     "RayLauncher",
     "ReplicaActor",
     "acquire_ray",

@@ -365,8 +365,14 @@ async def load_engine(section: dict[str, Any]) -> Engine:
     return engine
 
 
-async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> int:
-    """Run one replica: load the engine ``section`` describes, then answer frames from
+async def serve(
+    receive: Receive,
+    frames: FrameOut,
+    section: dict[str, Any],
+    on_engine: Callable[[Engine], None] | None = None,
+) -> int:
+    """Run one replica: load the engine ``section`` describes (handed to ``on_engine``
+    once loaded: a Ray actor's object-store calls use it), then answer frames from
     ``receive`` on ``frames`` until ``close`` or the gateway is gone."""
     out = Outbox(frames)
     try:
@@ -374,6 +380,8 @@ async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> 
     except Exception as e:
         out.send({"op": "fatal", "message": str(e)})
         return 1
+    if on_engine is not None:
+        on_engine(engine)
     runner = Runner(engine, out)
     stepped = engine if isinstance(engine, SteppedEngine) else None
     if stepped is not None:
@@ -418,7 +426,10 @@ async def serve(receive: Receive, frames: FrameOut, section: dict[str, Any]) -> 
 
 
 async def serve_stream(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, section: dict[str, Any]
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    section: dict[str, Any],
+    on_engine: Callable[[Engine], None] | None = None,
 ) -> int:
     """A replica over a stream socket, closed when it ends: frames read by ``reader``,
     written by a :class:`FrameWriter` on the same socket (from the decode thread too).
@@ -429,7 +440,9 @@ async def serve_stream(
         return await read_frame(reader)
 
     try:
-        return await serve(receive, FrameWriter(writer.get_extra_info("socket")), section)
+        return await serve(
+            receive, FrameWriter(writer.get_extra_info("socket")), section, on_engine
+        )
     finally:
         with contextlib.suppress(Exception):
             writer.close()

@@ -110,6 +110,11 @@ class SharedReplica:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._status_task: asyncio.Task[None] | None = None
 
+    @property
+    def engine(self) -> Engine | None:
+        """The engine, once loaded."""
+        return self._engine
+
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:

@@ -48,7 +48,7 @@ from tokenmill.engines import (
 from tokenmill.errors import EngineError
 from tokenmill.kvblocks import CacheEvent
 from tokenmill.replicas.client import Channel, ReplicaClient
-from tokenmill.replicas.host import ReplicaLocation, ReplicaState
+from tokenmill.replicas.host import KvLink, ReplicaLocation, ReplicaState
 
 log = logging.getLogger("tokenmill.replicas.supervisor")
 
@@ -331,6 +331,10 @@ class SupervisedHost:
 
     async def held_kv(self, min_tokens: int) -> list[tuple[int, ...]]:
         return await self._live().held_kv(min_tokens)
+
+    def kv_link(self) -> KvLink | None:
+        current = self._current
+        return None if current is None else current.channel.kv_link()
 
     def generate(self, request: GenerationRequest) -> ChunkStream:
         return self._live().generate(request)
