@@ -195,6 +195,17 @@ def test_a_pool_replica_that_dies_is_created_again_once_and_serves_both_gateways
             assert driver.pid(rid) == again_a["pid"]
 
 
+def real_pool(cluster: RayCluster, pool: str, model: str, slots: int, n_ctx: int) -> str:
+    """A config of deployment ``model``: the real model in ``pool``, 2 replicas of
+    ``slots`` slots and one thread each."""
+    return (
+        f"ray_address = {cluster.address!r}\n"
+        f'[[deployments]]\nid = "{model}"\nplacement = "ray"\npool = "{pool}"\n'
+        f"replicas = 2\nmax_num_seqs = {slots}\nn_ctx = {n_ctx}\nn_threads = 1\n"
+        "ray_num_cpus = 0.25\n"
+    )
+
+
 def test_a_conversation_alternating_between_two_gateways_finds_its_cache(
     pool: str, ray_cluster: RayCluster, start_server: Callable[..., ServerProcess]
 ) -> None:
@@ -202,11 +213,7 @@ def test_a_conversation_alternating_between_two_gateways_finds_its_cache(
     # goes to the replica holding the conversation (both gateways index both
     # replicas' caches) and finds the whole earlier conversation there; on the other
     # replica it would find nothing of it.
-    config = (
-        f"ray_address = {ray_cluster.address!r}\n"
-        f'[[deployments]]\nid = "smollm2"\nplacement = "ray"\npool = "{pool}"\n'
-        "replicas = 2\nmax_num_seqs = 2\nn_ctx = 512\nn_threads = 1\nray_num_cpus = 0.25\n"
-    )
+    config = real_pool(ray_cluster, pool, "smollm2", slots=2, n_ctx=512)
     gateways = [start_server(config=config), start_server(config=config)]
     messages: list[dict[str, str]] = [
         {"role": "system", "content": "You are a concise assistant."},
@@ -247,12 +254,8 @@ def test_both_gateways_of_a_pool_see_what_its_replicas_parked(
     # goes back to the replica holding it, from its slot or its host tier as B's own
     # index says, and finds it whole: both gateways index what the pool's replicas
     # publish, host-memory lanes included.
-    config = (
-        f"ray_address = {ray_cluster.address!r}\n"
-        f'[[deployments]]\nid = "smollm2"\nplacement = "ray"\npool = "{pool}"\n'
-        "replicas = 2\nmax_num_seqs = 1\nn_ctx = 512\nn_threads = 1\nray_num_cpus = 0.25\n"
-        f"kv_host_bytes = {64 << 20}\n"
-    )
+    config = real_pool(ray_cluster, pool, "smollm2", slots=1, n_ctx=512)
+    config += f"kv_host_bytes = {64 << 20}\n"
     a, b = start_server(config=config), start_server(config=config)
     topics = ["lighthouses", "glaciers", "beekeeping", "violins"]
 
@@ -284,11 +287,7 @@ def test_a_pools_busy_home_sends_its_history_through_the_object_store(
     # The real model, a pool of two replicas of one slot: a continuation whose home is
     # busy goes to the other pool replica, its KV state through Ray's object store
     # from one pool actor to the other.
-    config = (
-        f"ray_address = {ray_cluster.address!r}\n"
-        f'[[deployments]]\nid = "pooled"\nplacement = "ray"\npool = "{pool}"\n'
-        "replicas = 2\nmax_num_seqs = 1\nn_ctx = 1024\nn_threads = 1\nray_num_cpus = 0.25\n"
-    )
+    config = real_pool(ray_cluster, pool, "pooled", slots=1, n_ctx=1024)
     busy_home_moves(start_server(config=config), "pooled", via="ray_object_store")
 
 

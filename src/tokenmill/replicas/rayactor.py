@@ -281,6 +281,7 @@ class ReplicaActor(ObjectStoreKv):
         except Exception:
             log.exception("the replica loop failed")
         finally:
+            self._engine = None  # closed: nothing more moves through the object store
             if self._served is not None and not self._served.done():
                 self._served.set_result(code)
 
