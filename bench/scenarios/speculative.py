@@ -45,6 +45,7 @@ try:
 except ImportError:  # run alone, from bench/scenarios
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from servers import Server, free_port, llama_server, llama_server_binary
+from scenarios.routing.workload import fresh_connections
 
 if TYPE_CHECKING:
     from scenario import Bench
@@ -145,10 +146,8 @@ async def one(
 async def workload(
     url: str, model: str, prompts: list[str], c: int, max_tokens: int
 ) -> dict[str, Any]:
-    # A connection per request, for every server: llama-server closes idle keep-alive
-    # connections, which a reused one then reports as a disconnect.
-    limits = httpx.Limits(max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
+    # A connection per request, for every server alike.
+    async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=fresh_connections()) as client:
         started = time.monotonic()
         if c == 1:
             results = [await one(client, model, p, max_tokens) for p in prompts]

@@ -40,7 +40,7 @@ import httpx
 from servers import Server, llama_server, llama_server_binary, log, tokenmill_server
 
 from ..kvtier.workload import QUESTIONS, document, opening
-from ..routing.workload import ms, stream_turn
+from ..routing.workload import fresh_connections, ms, stream_turn
 from .report import report
 
 if TYPE_CHECKING:
@@ -112,7 +112,9 @@ class Conversation:
 async def turns(server: Server, convs: list[Conversation], n: int, max_tokens: int) -> None:
     """Turn ``n`` (1 or 2) of every conversation, ``OPEN`` at a time."""
     gate = asyncio.Semaphore(OPEN)
-    async with httpx.AsyncClient(base_url=server.url, timeout=600.0) as client:
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=600.0, limits=fresh_connections()
+    ) as client:
 
         async def one(i: int, c: Conversation) -> None:
             async with gate:
@@ -229,7 +231,9 @@ async def forced_moves(server: Server, seeds: list[str], max_tokens: int) -> lis
     """Each conversation's second turn while its home runs a long answer about the
     same document (see the module docstring)."""
     done: list[Conversation] = []
-    async with httpx.AsyncClient(base_url=server.url, timeout=600.0) as client:
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=600.0, limits=fresh_connections()
+    ) as client:
         for i, seed in enumerate(seeds):
             c = Conversation(seed)
             text, _, usage = await stream_turn(client, server.model, c.start(), max_tokens, i)

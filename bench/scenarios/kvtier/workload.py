@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from ..routing.workload import Turn, Window, as_turn, ms, stream_turn
+from ..routing.workload import Turn, Window, as_turn, fresh_connections, ms, stream_turn
 
 TURNS = 3
 THINK_S = (1.0, 3.0)  # a person reading the answer before the next turn
@@ -136,7 +136,7 @@ async def many(url: str, model: str, rep: int, args: argparse.Namespace) -> Wind
                 window.errors.append(f"conversation {i}: {e}")
             window.in_flight_s += time.perf_counter() - began
 
-    limits = httpx.Limits(max_connections=args.kvtier_open + 4)
+    limits = fresh_connections(args.kvtier_open + 4)  # for both servers alike
     async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=limits) as client:
         await asyncio.gather(*(one(i, client) for i in range(args.kvtier_conversations)))
     window.seconds = time.perf_counter() - start

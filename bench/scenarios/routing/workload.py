@@ -93,6 +93,14 @@ class Refused(RuntimeError):
         self.status = status
 
 
+def fresh_connections(max_connections: int | None = None) -> httpx.Limits:
+    """A client's limits with a connection per request: llama-server closes idle
+    kept-alive connections, and a request sent on one as it closes fails with "Server
+    disconnected without sending a response" (a kvtier run lost a turn to it, and a
+    kvcluster run stopped on one)."""
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=0)
+
+
 async def stream_turn(
     client: httpx.AsyncClient,
     model: str,
@@ -117,35 +125,23 @@ async def stream_turn(
     text: list[str] = []
     usage: dict[str, Any] = {}
     timings: dict[str, Any] = {}
-    answered = False
-    for attempt in (1, 2):
-        try:
-            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                answered = True
-                if r.status_code != 200:
-                    raise Refused(r.status_code, await r.aread())
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    if chunk.get("timings"):
-                        timings = chunk["timings"]
-                    for choice in chunk.get("choices") or []:
-                        content = (choice.get("delta") or {}).get("content")
-                        if content:
-                            if ttft is None:
-                                ttft = time.perf_counter() - sent
-                            text.append(content)
-            break
-        except httpx.RemoteProtocolError:
-            # A kept-alive connection the server closed as the request went out, before
-            # any answer (llama-server closes its idle ones: one turn of its 96 failed
-            # so in a kvtier run, and the kvcluster run stopped on one): sent again on
-            # a new connection, once, and timed from the first send.
-            if answered or attempt == 2:
-                raise
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise Refused(r.status_code, await r.aread())
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("timings"):
+                timings = chunk["timings"]
+            for choice in chunk.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    if ttft is None:
+                        ttft = time.perf_counter() - sent
+                    text.append(content)
     if ttft is None or not usage:
         raise RuntimeError("stream ended without content or usage")
     if timings:
