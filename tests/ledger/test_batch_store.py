@@ -8,7 +8,8 @@ import json
 from collections.abc import Callable
 
 from tokenmill.gateway.idle import batch_room, usable
-from tokenmill.ledger.batches import BatchStore, FileStore, LineSpec, output_line
+from tokenmill.ledger.batches import BatchStore, LineSpec, output_line
+from tokenmill.ledger.files import FileStore
 from tokenmill.ledger.sql import SqlLedger
 
 CHAT = "/v1/chat/completions"

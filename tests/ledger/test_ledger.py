@@ -13,11 +13,11 @@ import pytest
 
 from tests.waiting import HANG_S, wait_until
 from tokenmill.errors import (
-    AuthenticationError,
-    InsufficientCreditError,
     InvalidRequestError,
-    NotFoundError,
     OverloadedError,
+    PaymentRequiredError,
+    ResourceNotFoundError,
+    UnauthenticatedError,
 )
 from tokenmill.ledger import ledger_from_url
 from tokenmill.ledger.base import HoldProgress, HoldSpec, hash_key
@@ -92,7 +92,7 @@ async def test_charge_never_exceeds_the_hold(ledger: SqlLedger) -> None:
 async def test_insufficient_credit_counts_open_holds(ledger: SqlLedger) -> None:
     acc = await ledger.create_account("dave", 100)
     await ledger.hold(spec("r1", acc.id, 60))
-    with pytest.raises(InsufficientCreditError) as e:
+    with pytest.raises(PaymentRequiredError) as e:
         await ledger.hold(spec("r2", acc.id, 41))
     assert e.value.status == 402 and "40 available" in e.value.message
     await ledger.hold(spec("r3", acc.id, 40))
@@ -129,7 +129,7 @@ async def test_concurrent_holds_cannot_overdraw(
         try:
             await (a if i % 2 else b).hold(spec(f"r{i}", acc.id, 7))
             return True
-        except InsufficientCreditError:
+        except PaymentRequiredError:
             return False
 
     results = await asyncio.gather(*(try_hold(i) for i in range(200)))
@@ -154,7 +154,7 @@ async def test_keys_are_stored_as_hashes_and_revocable(ledger: SqlLedger) -> Non
     assert rows == [(hash_key(plaintext),)]
     revoked = await ledger.revoke_key(info.id)
     assert revoked is not None and revoked.revoked is not None
-    with pytest.raises(AuthenticationError):
+    with pytest.raises(UnauthenticatedError):
         await ledger.hold(spec("r1", acc.id, 0, key=info.id))
 
 
@@ -332,5 +332,5 @@ async def test_bad_fair_share_settings_are_refused_naming_the_field(
     with pytest.raises(InvalidRequestError) as caught:
         await ledger.update_account(acc.id, **changes)  # type: ignore[arg-type]
     assert caught.value.param == param
-    with pytest.raises(NotFoundError):
+    with pytest.raises(ResourceNotFoundError):
         await ledger.update_account("acct_missing", weight=2.0)

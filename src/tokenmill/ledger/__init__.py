@@ -1,4 +1,5 @@
-"""The books: accounts, hashed API keys, credit holds, receipts and rate limits.
+"""The books: accounts, hashed API keys, credit holds, receipts and rate limits, the
+audit log of every admin change, and the stores of the Responses and Batch APIs.
 
 :func:`build_ledger` picks the store from the settings: PostgreSQL for a
 ``postgresql://`` URL, otherwise a SQLite file in the data folder.
@@ -9,9 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import platformdirs
-
 from tokenmill.config import Settings
+from tokenmill.ledger.audit import SYSTEM, Actor, AuditEntry, AuditLog, AuditQuery
 from tokenmill.ledger.base import (
     ANONYMOUS_ACCOUNT,
     KEEP,
@@ -23,7 +23,12 @@ from tokenmill.ledger.base import (
     Receipt,
     hash_key,
 )
+from tokenmill.ledger.batches import BatchStore
+from tokenmill.ledger.budgets import BudgetState, BudgetWindow
+from tokenmill.ledger.database import clock_from_environment
+from tokenmill.ledger.files import FileStore
 from tokenmill.ledger.meter import LedgerMeter
+from tokenmill.ledger.ratelimits import RateState
 from tokenmill.ledger.responses import ResponseStore
 from tokenmill.ledger.sql import Clock, SqlLedger
 
@@ -31,11 +36,21 @@ __all__ = [
     "ANONYMOUS_ACCOUNT",
     "KEEP",
     "MAX_WEIGHT",
+    "SYSTEM",
     "Account",
+    "Actor",
+    "AuditEntry",
+    "AuditLog",
+    "AuditQuery",
+    "BatchStore",
+    "BudgetState",
+    "BudgetWindow",
+    "FileStore",
     "HoldSpec",
     "KeyInfo",
     "KeyPriority",
     "LedgerMeter",
+    "RateState",
     "Receipt",
     "ResponseStore",
     "SqlLedger",
@@ -47,9 +62,7 @@ __all__ = [
 
 
 def data_dir(settings: Settings) -> Path:
-    if settings.data_dir is not None:
-        return settings.data_dir
-    return Path(platformdirs.user_data_dir("tokenmill", appauthor=False))
+    return settings.data_path()
 
 
 def ledger_from_url(url: str, *, clock: Clock = time.time) -> SqlLedger:
@@ -64,8 +77,9 @@ def ledger_from_url(url: str, *, clock: Clock = time.time) -> SqlLedger:
 
 
 def build_ledger(settings: Settings) -> SqlLedger:
+    clock = clock_from_environment()
     if settings.ledger:
-        return ledger_from_url(settings.ledger)
+        return ledger_from_url(settings.ledger, clock=clock)
     from tokenmill.ledger.backends import SqliteLedger
 
-    return SqliteLedger(data_dir(settings) / "ledger.sqlite3")
+    return SqliteLedger(data_dir(settings) / "ledger.sqlite3", clock=clock)

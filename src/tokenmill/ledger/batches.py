@@ -1,7 +1,7 @@
-"""The Batch API's files and batches, in the ledger's database.
+"""The Batch API's batches, in the ledger's database (their files are
+:mod:`tokenmill.ledger.files`').
 
-A file is its bytes and what OpenAI's file object says of it, owned by an account;
-a batch is its state and one row a line of its input (``batch_lines``), so that every
+A batch is its state and one row a line of its input (``batch_lines``), so that every
 gateway on one PostgreSQL database shares a batch's lines and a gateway that starts
 again resumes them. What makes that safe is done here, in single transactions:
 
@@ -13,9 +13,10 @@ again resumes them. What makes that safe is done here, in single transactions:
 - a running line whose gateway stopped beating (the ledger's ``gateways`` table,
   as the sweeper reads it) is *taken back*: pending again for one more try, or failed;
 - a batch is *finalized* once, when none of its lines is pending or running: its
-  output and error files written and its status set in the same transaction.
+  output and error files written (:meth:`~tokenmill.ledger.files.FileStore.write`)
+  and its status set in the same transaction.
 
-Another account's file or batch reads as absent, like an id that never existed.
+Another account's batch reads as absent, like an id that never existed.
 This module knows JSON and rows; it never knows HTTP nor what a line's body means.
 """
 
@@ -25,9 +26,11 @@ import functools
 import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal
 
+from tokenmill.ledger.audit import SYSTEM, Actor, AuditTrail
 from tokenmill.ledger.base import new_id
+from tokenmill.ledger.files import FileStore, Page
 from tokenmill.ledger.sql import SqlLedger, Tx
 
 BatchStatus = Literal[
@@ -43,7 +46,6 @@ BatchStatus = Literal[
 LineState = Literal["pending", "running", "completed", "failed", "expired", "cancelled"]
 # A line whose gateway died is run at most this many times in all.
 MAX_ATTEMPTS = 2
-_FILE_COLS = "id, account_id, purpose, filename, bytes, created, expires"
 _BATCH_COLS = "id, account_id, key_id, status, created, deadline, total, body"
 # The object fields a batch keeps in its ``body`` column (the rest are columns).
 _TIMES = (
@@ -59,133 +61,6 @@ _TIMES = (
 
 def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
-
-
-@dataclass(frozen=True, slots=True)
-class StoredFile:
-    id: str
-    account_id: str
-    purpose: str
-    filename: str
-    bytes: int
-    created: float
-    expires: float
-
-    def to_json(self) -> dict[str, Any]:
-        """OpenAI's file object."""
-        return {
-            "id": self.id,
-            "object": "file",
-            "bytes": self.bytes,
-            "created_at": int(self.created),
-            "expires_at": int(self.expires),
-            "filename": self.filename,
-            "purpose": self.purpose,
-            "status": "processed",
-            "status_details": None,
-        }
-
-
-def _file(row: Sequence[Any]) -> StoredFile:
-    return StoredFile(row[0], row[1], row[2], row[3], int(row[4]), float(row[5]), float(row[6]))
-
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class Page(Generic[T]):
-    data: list[T]
-    has_more: bool
-
-
-class FileStore:
-    """Files on ``ledger``'s database, kept ``retention_s`` after they are written."""
-
-    def __init__(self, ledger: SqlLedger, retention_s: float) -> None:
-        self.ledger = ledger
-        self.retention_s = retention_s
-
-    def _put(
-        self, tx: Tx, account_id: str, purpose: str, filename: str, content: bytes
-    ) -> StoredFile:
-        now = self.ledger.clock()
-        f = StoredFile(
-            new_id("file"), account_id, purpose, filename, len(content), now, now + self.retention_s
-        )
-        tx.run(
-            f"INSERT INTO files ({_FILE_COLS}, content) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (f.id, f.account_id, f.purpose, f.filename, f.bytes, f.created, f.expires, content),
-        )
-        return f
-
-    async def put(self, account_id: str, purpose: str, filename: str, content: bytes) -> StoredFile:
-        return await self.ledger.transact(
-            lambda tx: self._put(tx, account_id, purpose, filename, content)
-        )
-
-    async def get(self, file_id: str, account_id: str) -> StoredFile | None:
-        now = self.ledger.clock()
-        row = await self.ledger.transact(
-            lambda tx: tx.one(
-                f"SELECT {_FILE_COLS} FROM files WHERE id = ? AND account_id = ? AND expires > ?",
-                (file_id, account_id, now),
-            )
-        )
-        return None if row is None else _file(row)
-
-    async def content(self, file_id: str, account_id: str) -> bytes | None:
-        now = self.ledger.clock()
-        row = await self.ledger.transact(
-            lambda tx: tx.one(
-                "SELECT content FROM files WHERE id = ? AND account_id = ? AND expires > ?",
-                (file_id, account_id, now),
-            )
-        )
-        return None if row is None else bytes(row[0])
-
-    async def page(
-        self,
-        account_id: str,
-        *,
-        purpose: str | None = None,
-        limit: int = 100,
-        after: str | None = None,
-        newest_first: bool = True,
-    ) -> Page[StoredFile]:
-        now = self.ledger.clock()
-        order = "DESC" if newest_first else "ASC"
-        cmp = "<" if newest_first else ">"
-
-        def tx_fn(tx: Tx) -> list[Any]:
-            sql = f"SELECT {_FILE_COLS} FROM files WHERE account_id = ? AND expires > ?"
-            params: list[Any] = [account_id, now]
-            if purpose is not None:
-                sql += " AND purpose = ?"
-                params.append(purpose)
-            if after is not None:
-                cursor = tx.one(
-                    "SELECT created FROM files WHERE id = ? AND account_id = ?", (after, account_id)
-                )
-                if cursor is not None:
-                    sql += f" AND (created {cmp} ? OR (created = ? AND id {cmp} ?))"
-                    params += [cursor[0], cursor[0], after]
-            sql += f" ORDER BY created {order}, id {order} LIMIT ?"
-            params.append(limit + 1)
-            return tx.all(sql, params)
-
-        rows = await self.ledger.transact(tx_fn)
-        return Page([_file(r) for r in rows[:limit]], len(rows) > limit)
-
-    async def delete(self, file_id: str, account_id: str) -> bool:
-        now = self.ledger.clock()
-        row = await self.ledger.transact(
-            lambda tx: tx.one(
-                "DELETE FROM files WHERE id = ? AND account_id = ? AND expires > ? RETURNING id",
-                (file_id, account_id, now),
-            )
-        )
-        return row is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +123,7 @@ class Claimed:
     custom_id: str
     deployment: str
     url: str
-    body: dict[str, Any]
+    body: str  # its request's body, JSON as stored: read once, into the route's model
     request_id: str
     account_id: str
     key_id: str | None
@@ -391,13 +266,15 @@ class BatchStore:
 
         return await self.ledger.transact(tx_fn)
 
-    async def cancel(self, batch_id: str, account_id: str) -> Batch | None:
+    async def cancel(
+        self, batch_id: str, account_id: str, *, actor: Actor = SYSTEM
+    ) -> Batch | None:
         """Stop the batch: no line not yet started will run (nor cost anything); the
         lines running finish, then the batch is ``cancelled``. A batch that already
-        ended is returned as it is."""
+        ended is returned as it is. The cancellation is audited (``batch.cancelled``)."""
         now = self.ledger.clock()
 
-        def tx_fn(tx: Tx) -> Batch | None:
+        def tx_fn(tx: Tx, trail: AuditTrail) -> Batch | None:
             row = tx.one(
                 f"SELECT {_BATCH_COLS} FROM batches WHERE id = ?{self.ledger.lock}", (batch_id,)
             )
@@ -410,12 +287,17 @@ class BatchStore:
                     "UPDATE batches SET status = 'cancelling', body = ? WHERE id = ?",
                     (_json(fields), batch_id),
                 )
-                self._end_pending(tx, batch_id, "cancelled", "batch_cancelled",
-                                  "the batch was cancelled before this request ran")  # fmt: skip
+                why = "the batch was cancelled before this request ran"
+                unrun = self._end_pending(tx, batch_id, "cancelled", "batch_cancelled", why)
                 row = tx.one(f"SELECT {_BATCH_COLS} FROM batches WHERE id = ?", (batch_id,))
+                trail.record(
+                    "batch.cancelled", "batch", batch_id,
+                    {"account": account_id, "status": "in_progress"},
+                    {"account": account_id, "status": "cancelling", "lines_not_run": unrun},
+                )  # fmt: skip
             return self._read(tx, row)
 
-        return await self.ledger.transact(tx_fn)
+        return await self.ledger.audited(actor, tx_fn)
 
     @staticmethod
     def _end_pending(tx: Tx, batch_id: str, state: LineState, code: str, message: str) -> int:
@@ -469,7 +351,7 @@ class BatchStore:
                         custom_id,
                         deployment,
                         url,
-                        json.loads(body),
+                        body,
                         request_id,
                         account_id,
                         key_id,
@@ -640,11 +522,11 @@ class BatchStore:
         final = Finalized(batch_id, status, lines=counts)
         account = row[1]
         if out:
-            f = self.files._put(tx, account, "batch_output", f"{batch_id}_output.jsonl",
+            f = self.files.write(tx, account, "batch_output", f"{batch_id}_output.jsonl",
                                 "\n".join(out).encode() + b"\n")  # fmt: skip
             final.output_file_id = fields["output_file_id"] = f.id
         if err:
-            f = self.files._put(tx, account, "batch_output", f"{batch_id}_error.jsonl",
+            f = self.files.write(tx, account, "batch_output", f"{batch_id}_error.jsonl",
                                 "\n".join(err).encode() + b"\n")  # fmt: skip
             final.error_file_id = fields["error_file_id"] = f.id
         # The lines' outcomes now live in the files: the rows go, their counts stay.

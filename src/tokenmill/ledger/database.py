@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
+from pathlib import Path
 from typing import Any, TypeVar
 
 log = logging.getLogger("tokenmill.ledger")
@@ -25,6 +28,27 @@ T = TypeVar("T")
 # since the epoch, as ``time.time``); a test sets its own to step across windows.
 Clock = Callable[[], float]
 _RETRIES = 5
+# Tests only: a file holding the time (seconds since the epoch) that a gateway's ledger
+# reads instead of the wall clock, so that a test steps a server across rate and budget
+# windows instead of waiting for them, as ``Clock`` lets an in-process test do.
+CLOCK_FILE_ENV = "TOKENMILL_LEDGER_CLOCK_FILE"
+
+
+class FileClock:
+    """The time written in a file, read at every call (the writer replaces the file
+    whole, so a reader never sees half a number)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self) -> float:
+        return float(self.path.read_text())
+
+
+def clock_from_environment() -> Clock:
+    """The wall clock, unless ``TOKENMILL_LEDGER_CLOCK_FILE`` names a test's clock file."""
+    path = os.environ.get(CLOCK_FILE_ENV)
+    return FileClock(Path(path)) if path else time.time
 
 
 class Tx:
@@ -129,7 +153,9 @@ class Database:
             text = "\n".join(
                 line for line in entry.read_text().splitlines() if not line.startswith("--")
             )
-            for statement in text.split(";"):
+            # A statement ends with a ';' at the end of a line: one inside a line (a
+            # trigger's body) does not end it.
+            for statement in re.split(r";[ \t]*$", text, flags=re.MULTILINE):
                 if statement.strip():
                     tx.run(statement)
             tx.run(

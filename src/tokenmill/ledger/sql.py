@@ -12,7 +12,8 @@ between gateways are settled by the database, not by Python locks:
 
 A key's rate limits are counted in the same transactions by
 :mod:`~tokenmill.ledger.ratelimits`; rows read back as records through
-:mod:`~tokenmill.ledger.rows`.
+:mod:`~tokenmill.ledger.rows`. Accounts and keys, the admin's changes, are
+:mod:`~tokenmill.ledger.accounts`' (each audited).
 """
 
 from __future__ import annotations
@@ -22,30 +23,19 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.errors import (
-    AuthenticationError,
-    InsufficientCreditError,
-    InvalidRequestError,
-    NotFoundError,
+from tokenmill.errors import InvalidRequestError, PaymentRequiredError, UnauthenticatedError
+from tokenmill.ledger import budgets, rows
+from tokenmill.ledger.accounts import Accounts
+from tokenmill.ledger.base import ANONYMOUS_ACCOUNT, HoldProgress, HoldSpec, Receipt
+from tokenmill.ledger.database import Clock, Tx
+from tokenmill.ledger.ratelimits import (
+    RateState,
+    admit_key,
+    forget_before,
+    give_back,
+    rate_state,
+    window_of,
 )
-from tokenmill.ledger import rows
-from tokenmill.ledger.base import (
-    ANONYMOUS_ACCOUNT,
-    KEEP,
-    MAX_WEIGHT,
-    Account,
-    HoldProgress,
-    HoldSpec,
-    Keep,
-    KeyInfo,
-    KeyPriority,
-    Receipt,
-    hash_key,
-    new_id,
-    new_key,
-)
-from tokenmill.ledger.database import Clock, Database, Tx
-from tokenmill.ledger.ratelimits import admit_key, forget_before, give_back, window_of
 
 __all__ = ["Clock", "SqlLedger", "Tx"]
 
@@ -55,21 +45,10 @@ log = logging.getLogger("tokenmill.ledger")
 PROGRESS_BATCH = 2000
 
 
-def _check_scheduling(weight: float | Keep, max_concurrent: int | Keep | None) -> None:
-    """An account's fair-share settings, checked here as well as by the admin API."""
-    if not isinstance(weight, Keep) and not 0 < weight <= MAX_WEIGHT:
-        raise InvalidRequestError(
-            f"'weight' must be above 0 and at most {MAX_WEIGHT:g}, not {weight}", param="weight"
-        )
-    if isinstance(max_concurrent, int) and max_concurrent < 1:
-        raise InvalidRequestError(
-            "'max_concurrent' must be at least 1 (or null: no cap)", param="max_concurrent"
-        )
-
-
-class SqlLedger(Database):
-    """The books over :class:`~tokenmill.ledger.database.Database`; subclasses connect
-    and name their dialect."""
+class SqlLedger(Accounts):
+    """The books over :class:`~tokenmill.ledger.database.Database`, with the accounts
+    and keys of :class:`~tokenmill.ledger.accounts.Accounts`; subclasses connect and
+    name their dialect."""
 
     async def open(self) -> None:
         await self._run(self._migrate)
@@ -93,166 +72,6 @@ class SqlLedger(Database):
 
         await self.close_connections()
 
-    # -- accounts -----------------------------------------------------------------
-    async def create_account(
-        self,
-        name: str,
-        balance: int = 0,
-        *,
-        account_id: str | None = None,
-        weight: float = 1.0,
-        max_concurrent: int | None = None,
-    ) -> Account:
-        if balance < 0:
-            raise InvalidRequestError("'balance' cannot be negative", param="balance")
-        _check_scheduling(weight, max_concurrent)
-        acc = Account(
-            account_id or new_id("acct"), name, balance, 0, False, self.clock(),
-            weight, max_concurrent,
-        )  # fmt: skip
-
-        def tx_fn(tx: Tx) -> Account:
-            if tx.one("SELECT 1 FROM accounts WHERE id = ?", (acc.id,)) is not None:
-                raise InvalidRequestError(f"account {acc.id!r} already exists", param="id")
-            tx.run(
-                "INSERT INTO accounts "
-                "(id, name, balance, held, unlimited, created, weight, max_concurrent) "
-                "VALUES (?, ?, ?, 0, 0, ?, ?, ?)",
-                (acc.id, name, balance, acc.created, weight, max_concurrent),
-            )
-            if balance:
-                tx.run(
-                    "INSERT INTO credits (account_id, amount, created) VALUES (?, ?, ?)",
-                    (acc.id, balance, acc.created),
-                )
-            return acc
-
-        return await self._run(tx_fn)
-
-    async def get_account(self, account_id: str) -> Account | None:
-        row = await self._run(
-            lambda tx: tx.one(
-                f"SELECT {rows.ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,)
-            )
-        )
-        return None if row is None else rows.account(row)
-
-    async def add_credits(self, account_id: str, amount: int) -> Account:
-        def tx_fn(tx: Tx) -> Account:
-            row = tx.one(
-                f"SELECT {rows.ACCOUNT_COLS} FROM accounts WHERE id = ?{self.lock}", (account_id,)
-            )
-            if row is None:
-                raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
-            acc = rows.account(row)
-            if acc.balance + amount < 0:
-                raise InvalidRequestError(
-                    f"cannot remove {-amount} micro-units: the balance is {acc.balance}",
-                    param="amount",
-                )
-            tx.run("UPDATE accounts SET balance = balance + ? WHERE id = ?", (amount, account_id))
-            tx.run(
-                "INSERT INTO credits (account_id, amount, created) VALUES (?, ?, ?)",
-                (account_id, amount, self.clock()),
-            )
-            return rows.account(
-                tx.one(f"SELECT {rows.ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
-            )
-
-        return await self._run(tx_fn)
-
-    async def update_account(
-        self,
-        account_id: str,
-        *,
-        weight: float | Keep = KEEP,
-        max_concurrent: int | Keep | None = KEEP,
-    ) -> Account:
-        """Change an account's fair-share settings (what is given; KEEP the rest)."""
-        _check_scheduling(weight, max_concurrent)
-        changes: dict[str, Any] = {}
-        if not isinstance(weight, Keep):
-            changes["weight"] = weight
-        if not isinstance(max_concurrent, Keep):
-            changes["max_concurrent"] = max_concurrent
-
-        def tx_fn(tx: Tx) -> Account:
-            if tx.one("SELECT 1 FROM accounts WHERE id = ?", (account_id,)) is None:
-                raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
-            if changes:
-                columns = ", ".join(f"{name} = ?" for name in changes)
-                tx.run(
-                    f"UPDATE accounts SET {columns} WHERE id = ?", (*changes.values(), account_id)
-                )
-            return rows.account(
-                tx.one(f"SELECT {rows.ACCOUNT_COLS} FROM accounts WHERE id = ?", (account_id,))
-            )
-
-        return await self._run(tx_fn)
-
-    # -- keys ---------------------------------------------------------------------
-    async def create_key(
-        self,
-        account_id: str,
-        *,
-        rpm: int | None = None,
-        tpm: int | None = None,
-        priority: KeyPriority = "default",
-    ) -> tuple[KeyInfo, str]:
-        plaintext = new_key()
-        key_id = new_id("key")
-
-        def tx_fn(tx: Tx) -> KeyInfo:
-            if tx.one("SELECT 1 FROM accounts WHERE id = ?", (account_id,)) is None:
-                raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
-            tx.run(
-                "INSERT INTO api_keys (id, account_id, key_hash, rpm, tpm, created, priority) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (key_id, account_id, hash_key(plaintext), rpm, tpm, self.clock(), priority),
-            )
-            return rows.key(
-                tx.one(f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.id = ?", (key_id,))
-            )
-
-        return await self._run(tx_fn), plaintext
-
-    async def resolve_key(self, plaintext: str) -> KeyInfo | None:
-        digest = hash_key(plaintext)
-        row = await self._run(
-            lambda tx: tx.one(
-                f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.key_hash = ?", (digest,)
-            )
-        )
-        return None if row is None else rows.key(row)
-
-    async def key_by_id(self, key_id: str) -> KeyInfo | None:
-        """A key by its id (revoked ones too: ``revoked`` says so)."""
-        row = await self._run(
-            lambda tx: tx.one(
-                f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.id = ?", (key_id,)
-            )
-        )
-        return None if row is None else rows.key(row)
-
-    async def set_key_priority(self, key_id: str, priority: KeyPriority) -> KeyInfo | None:
-        def tx_fn(tx: Tx) -> KeyInfo | None:
-            tx.run("UPDATE api_keys SET priority = ? WHERE id = ?", (priority, key_id))
-            row = tx.one(f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.id = ?", (key_id,))
-            return None if row is None else rows.key(row)
-
-        return await self._run(tx_fn)
-
-    async def revoke_key(self, key_id: str) -> KeyInfo | None:
-        def tx_fn(tx: Tx) -> KeyInfo | None:
-            tx.run(
-                "UPDATE api_keys SET revoked = ? WHERE id = ? AND revoked IS NULL",
-                (self.clock(), key_id),
-            )
-            row = tx.one(f"SELECT {rows.KEY_COLS} FROM {rows.KEY_JOIN} WHERE k.id = ?", (key_id,))
-            return None if row is None else rows.key(row)
-
-        return await self._run(tx_fn)
-
     # -- holds and settlement -----------------------------------------------------
     async def hold(self, spec: HoldSpec) -> None:
         await self._run(functools.partial(self._hold, spec, self.clock()))
@@ -263,7 +82,7 @@ class SqlLedger(Database):
             (spec.account_id,),
         )
         if row is None:
-            raise AuthenticationError("the account of this API key no longer exists")
+            raise UnauthenticatedError("the account of this API key no longer exists")
         balance, held, unlimited = int(row[0]), int(row[1]), bool(row[2])
         if (
             tx.one("SELECT 1 FROM holds WHERE request_id = ?", (spec.request_id,)) is not None
@@ -277,10 +96,11 @@ class SqlLedger(Database):
         window = window_of(now)
         if spec.key_id is not None:
             admit_key(tx, spec, now, window)
+        counted = budgets.admit(tx, spec, now)
         if not unlimited:
             available = balance - held
             if spec.amount > available:
-                raise InsufficientCreditError(
+                raise PaymentRequiredError(
                     f"insufficient credit: this request may cost up to {spec.amount} "
                     f"micro-units ({spec.prompt_tokens} prompt tokens plus max_tokens "
                     f"{spec.max_tokens}) but the account has {available} available; "
@@ -291,14 +111,19 @@ class SqlLedger(Database):
             )
         tx.run(
             "INSERT INTO holds (request_id, account_id, key_id, gateway_id, deployment, "
-            "prompt_tokens, max_tokens, amount, min_charge, rate_window, created) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "prompt_tokens, max_tokens, amount, min_charge, rate_window, created, "
+            "budget_windows) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 spec.request_id, spec.account_id, spec.key_id, self.gateway_id,
                 spec.deployment, spec.prompt_tokens, spec.max_tokens, spec.amount,
-                min(spec.min_charge, spec.amount), window, now,
+                min(spec.min_charge, spec.amount), window, now, counted,
             ),
         )  # fmt: skip
+
+    async def rate_state(self, key_id: str) -> RateState | None:
+        """What the key may still do this minute, as every gateway of the ledger sees
+        it (None: a key without limits)."""
+        return await self._run(lambda tx: rate_state(tx, key_id, self.clock()))
 
     async def record_progress(self, progress: Sequence[HoldProgress]) -> None:
         """Record how far this gateway's open holds got: one statement for all of them.
@@ -348,7 +173,7 @@ class SqlLedger(Database):
     ) -> Receipt | None:
         row = tx.one(
             "DELETE FROM holds WHERE request_id = ? RETURNING account_id, key_id, deployment, "
-            "max_tokens, amount, rate_window, created",
+            "max_tokens, amount, rate_window, created, budget_windows",
             (request_id,),
         )
         if row is None:  # settled already (or never held): exactly once
@@ -367,6 +192,7 @@ class SqlLedger(Database):
             )
         if key_id is not None:
             give_back(tx, key_id, window, max(0, max_tokens - completion_tokens))
+        budgets.give_back(tx, row[7], amount - charged)
         receipt = Receipt(
             request_id, account_id, key_id, deployment, prompt_tokens, completion_tokens,
             amount, charged, finish_reason, float(created), self.clock(),
