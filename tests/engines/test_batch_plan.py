@@ -26,23 +26,25 @@ def test_decoding_choices_get_a_row_each_in_slot_order() -> None:
     assert plan.prompt_rows == [] and plan.prefills == []
 
 
-def test_the_prompt_budget_goes_first_come_first_served() -> None:
+def test_the_prompt_budget_goes_shortest_first_with_the_oldests_share() -> None:
     decoding = choice("d", slot=1, prompt=2, n_past=4, last=7)
     first = choice("first", slot=3, prompt=200)
     second = choice("second", slot=0, prompt=300, n_past=100)
     third = choice("third", slot=2, prompt=50)
-    # capacity 251: 1 row for the decoding choice, 250 prompt tokens, in arrival order:
-    # all of first's prompt, 50 tokens of second's, none of third's.
+    # capacity 251: 1 row for the decoding choice, 250 prompt tokens (prefill.py's
+    # rule): first, the oldest, its quarter (63); then shortest left first: all of
+    # third's 50, the rest of first's; none left for second (as long as first, later).
     plan = plan_batch([decoding, first, second, third], prefill_chunk=512, capacity=251)
-    assert [(seq.key, end) for seq, end in plan.prefills] == [("second", 150), ("first", 200)]
-    # The rows in slot order: second (slot 0), decoding (1), first (3).
-    assert [row[2] for row in plan.rows] == [0] * 50 + [1] + [3] * 200
-    assert plan.rows[0] == (1100, 100, 0, False) and plan.rows[50] == (7, 4, 1, True)
-    # first's prompt is in: its last row gives its first token.
-    assert plan.outputs == [(decoding, 50), (first, 250)]
-    # A smaller chunk bounds the prompt tokens whatever the capacity.
+    assert [(seq.key, end) for seq, end in plan.prefills] == [("third", 50), ("first", 200)]
+    # The rows in slot order: decoding (1), third (2), first (3).
+    assert [row[2] for row in plan.rows] == [1] + [2] * 50 + [3] * 200
+    assert plan.rows[0] == (7, 4, 1, True) and plan.rows[1] == (1000, 0, 2, False)
+    # Both prompts are in: their last rows give their first tokens.
+    assert plan.outputs == [(decoding, 0), (third, 50), (first, 250)]
+    # A smaller chunk bounds the prompt tokens whatever the capacity: the oldest's
+    # share (30 of 120), then the shortest, then the oldest again.
     plan = plan_batch([decoding, first, second, third], prefill_chunk=120, capacity=600)
-    assert [(seq.key, end) for seq, end in plan.prefills] == [("first", 120)]
+    assert [(seq.key, end) for seq, end in plan.prefills] == [("third", 50), ("first", 70)]
 
 
 def test_a_prompts_last_token_is_an_output_and_the_chunk_bounds_the_prefill() -> None:

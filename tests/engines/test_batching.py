@@ -68,10 +68,11 @@ def batched_and_solo(url: str, **extra: Any) -> tuple[list[dict[str, Any]], list
 def test_batched_equals_solo_and_32_streams_stay_separate(
     start_server: Callable[..., ServerProcess],
 ) -> None:
-    # The default, n_ctx = 2048 on 16 slots, fills the pool's 32,768 cells exactly: every
-    # slot has a KV stream of its own, and llama.cpp computes each sequence's
+    # A KV stream per slot (16 x 2,048 cells): llama.cpp computes each sequence's
     # attention alone, bit for bit the same whatever runs beside it.
-    server = start_server(config=f'[[deployments]]\nid = "smollm2"\nn_ctx = 2048\n{QUEUED}')
+    server = start_server(
+        config=f'[[deployments]]\nid = "smollm2"\nkv_layout = "per_slot"\n{QUEUED}'
+    )
     solo, batched = batched_and_solo(server.url)
     # Greedy decoding is deterministic, so any token crossing between sequences, or
     # any sampling state shared between them, would change some answer.
@@ -103,11 +104,11 @@ def first_difference(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int | 
 def test_on_the_shared_pool_batched_differs_from_solo_only_at_near_ties(
     start_server: Callable[..., ServerProcess],
 ) -> None:
-    # n_ctx 0 (the model's 8,192): 16 slots share one pool, so a
+    # The default: 16 slots share one pool (n_ctx the model's 8,192), so a
     # sequence's cells sit among others' and attention sums over them in another
     # order: a greedy answer may take the other of two tokens that nearly tie, as
     # on llama-server's unified KV, and nowhere else.
-    server = start_server(config=f'[[deployments]]\nid = "smollm2"\nn_ctx = 0\n{QUEUED}')
+    server = start_server(config=f'[[deployments]]\nid = "smollm2"\n{QUEUED}')
     solo, batched = batched_and_solo(server.url, logprobs=True, top_logprobs=2)
     for i, (alone, among) in enumerate(zip(solo, batched, strict=True)):
         a = alone["choices"][0]["logprobs"]["content"]

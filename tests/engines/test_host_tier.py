@@ -25,11 +25,9 @@ import pytest
 
 from tests.engines.test_cache_publishing import Published, matches, settled
 from tests.engines.test_cache_publishing import parked as parked_chains
-from tests.engines.test_kv_copy import decode
+from tests.engines.test_kv_copy import decode, small_pool
 from tokenmill.engines.base import GenerationRequest, SamplingParams, Usage
-from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.llamacpp import LlamaCppEngine
-from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.errors import EngineError
 from tokenmill.kvblocks import chain
 
@@ -58,10 +56,12 @@ async def engine(**kwargs: object) -> AsyncIterator[LlamaCppEngine]:
 
 
 async def complete(
-    eng: LlamaCppEngine, rid: str, prompt: str, max_tokens: int
+    eng: LlamaCppEngine, rid: str, prompt: str, max_tokens: int, *, ignore_eos: bool = False
 ) -> tuple[str, Usage]:
     request = GenerationRequest(
-        rid, SamplingParams(max_tokens=max_tokens, temperature=0.0), prompt=prompt
+        rid,
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
+        prompt=prompt,
     )
     await eng.prepare(request)
     text, usage = "", None
@@ -96,7 +96,10 @@ async def conversations(eng: LlamaCppEngine) -> tuple[list[str], list[Usage], li
     ("evicting", "roomy"),
     [
         # One KV stream a slot: one slot for four conversations, against four.
-        (dict(max_num_seqs=1, n_ctx=1024), dict(max_num_seqs=4, n_ctx=1024)),
+        (
+            dict(kv_layout="per_slot", max_num_seqs=1, n_ctx=1024),
+            dict(kv_layout="per_slot", max_num_seqs=4, n_ctx=1024),
+        ),
     ],
     ids=["per-slot"],
 )
@@ -144,7 +147,10 @@ async def test_a_full_pool_swaps_streams_out_and_every_bill_stays_exact() -> Non
 
     async def run_all(eng: LlamaCppEngine) -> list[tuple[str, Usage]]:
         return await asyncio.gather(
-            *(complete(eng, f"s{i}", p, 120) for i, p in enumerate(prompts))
+            # ignore_eos: every stream holds its cells for all 120 tokens, however its
+            # greedy answer goes (in a unified pool one may part and end early: CI saw
+            # a reference stream end at 14 tokens).
+            *(complete(eng, f"s{i}", p, 120, ignore_eos=True) for i, p in enumerate(prompts))
         )
 
     async with engine(max_num_seqs=4, n_ctx=512, kv_pool_tokens=2048) as eng:
@@ -167,18 +173,19 @@ async def test_a_full_pool_swaps_streams_out_and_every_bill_stays_exact() -> Non
         assert text
 
 
+@pytest.mark.timeout(1200)  # 2,600 tokens of prefill on one thread, beside 16 streams
 async def test_a_long_prompt_is_answered_beside_short_streams_in_one_pool() -> None:
-    # n_ctx 0: the model's 8,192 tokens; 16 slots share the default pool of 32,768.
-    # ~2,600 tokens: past the 2,048 a per-slot stream holds by default (the issue's
-    # 4,500-token prompt is the kvtier benchmark's; its prefill alone took 70 s here).
-    long_prompt = "The river carries stones down from the mountains. " * 260
-    async with engine(n_ctx=0) as eng:
+    # The defaults: n_ctx the model's 8,192 tokens, 16 slots sharing a pool of 32,768.
+    # ~2,600 tokens: past the 2,048 a per-slot stream holds. (Issue 46's ~4,500 take
+    # the same path at twice the prefill: 145 s of CI's suite on one thread.)
+    long_prompt = "The river carries stones down from the mountains. " * 290
+    async with engine() as eng:
         stats = eng.kv_stats()
         assert stats["n_ctx"] == 8192 and stats["pool_unified"] == 1
         short = [complete(eng, f"short-{i}", opening(t), 8) for i, t in enumerate(TOPICS * 4)]
         results = await asyncio.gather(complete(eng, "long", long_prompt, 4), *short)
     (_, long_usage), *shorts = results
-    assert long_usage.prompt_tokens > 2048 and long_usage.completion_tokens == 4
+    assert long_usage.prompt_tokens > 2048 + 500 and long_usage.completion_tokens == 4
     assert all(u.completion_tokens == 8 for _, u in shorts)
 
 
@@ -188,15 +195,16 @@ async def test_a_closed_engines_slots_are_found_on_disk_by_the_next(tmp_path: Pa
     the directory restores a continuation from it, and the answer is the one of an
     engine that never closed."""
     first = opening("lighthouses")
-    async with engine(max_num_seqs=2, n_ctx=1024) as eng:
+    async with engine(kv_layout="per_slot", max_num_seqs=2, n_ctx=1024) as eng:
         text, usage = await complete(eng, "a-1", first, 16)
         expected, _ = await complete(eng, "a-2", first + text + " Also,", 16)
-    async with engine(max_num_seqs=2, n_ctx=1024, kv_disk_dir=tmp_path) as eng:
+    per_slot = dict(kv_layout="per_slot", max_num_seqs=2, n_ctx=1024)
+    async with engine(**per_slot, kv_disk_dir=tmp_path) as eng:
         assert (text, usage) == await complete(eng, "a-1", first, 16)
     files = await asyncio.to_thread(lambda: list(tmp_path.glob("*.tmkv")))
     assert len(files) == 1  # its slot's sequence, once
     published = Published()
-    async with engine(max_num_seqs=2, n_ctx=1024, kv_disk_dir=tmp_path) as eng:
+    async with engine(**per_slot, kv_disk_dir=tmp_path) as eng:
         eng.publish_cache(published.events.append)
         stats = eng.kv_stats()
         assert stats["disk_entries"] == 1 and stats["disk_bytes"] == files[0].stat().st_size
@@ -221,8 +229,8 @@ async def test_a_sequence_moved_to_another_engine_continues_exactly() -> None:
     and the same answer the first engine gives."""
     first = opening("glaciers")
     async with (
-        engine(max_num_seqs=2, n_ctx=1024) as home,
-        engine(max_num_seqs=2, n_ctx=1024) as away,
+        engine(kv_layout="per_slot", max_num_seqs=2, n_ctx=1024) as home,
+        engine(kv_layout="per_slot", max_num_seqs=2, n_ctx=1024) as away,
     ):
         text, usage = await complete(home, "g-1", first, 16)
         following = first + text + " Also,"
@@ -277,16 +285,7 @@ async def test_in_a_unified_pool_restored_cells_read_as_the_original() -> None:
     chunk of many tokens is another matter: llama.cpp's attention then groups cells
     by their place in the pool, so its last bits may differ, as in any unified
     llama.cpp server.)"""
-    ctx = LlamaContext(
-        embedded_model_path(),
-        n_slots=3,
-        n_ctx_seq=512,
-        n_threads=1,
-        batch_size=512,
-        pool_tokens=512,
-    )
-    try:
-        assert ctx.unified
+    with small_pool() as ctx:
         tokens = ctx.vocab.tokenize(opening("glaciers"))
         n = len(tokens)
         decode(ctx, 0, tokens, 0)
@@ -299,5 +298,3 @@ async def test_in_a_unified_pool_restored_cells_read_as_the_original() -> None:
         decode(ctx, 2, tokens, n)  # the pool's cells move on meanwhile
         assert ctx.restore_seq(1, state)
         assert np.array_equal(decode(ctx, 1, [nxt], n), original)
-    finally:
-        ctx.close()

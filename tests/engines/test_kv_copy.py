@@ -10,6 +10,7 @@ the next token decoded on top of it gives the same logits, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -26,9 +27,33 @@ def engine() -> Iterator[LlamaContext]:
     # The engine's llama.cpp context alone, no decode loop: this test drives it on its
     # own thread, as the decode thread would.
     ctx = LlamaContext(
-        embedded_model_path(), n_slots=4, n_ctx_seq=2048, n_threads=2, batch_size=512
+        embedded_model_path(),
+        n_slots=4,
+        n_ctx_seq=2048,
+        n_threads=2,
+        batch_size=512,
+        unified=False,  # a KV stream a slot: copies between streams
     )
     try:
+        yield ctx
+    finally:
+        ctx.close()
+
+
+@contextmanager
+def small_pool() -> Iterator[LlamaContext]:
+    """A context alone whose 3 slots share one pool of 512 cells (llama.cpp's unified
+    KV), one thread."""
+    ctx = LlamaContext(
+        embedded_model_path(),
+        n_slots=3,
+        n_ctx_seq=512,
+        n_threads=1,
+        batch_size=512,
+        pool_tokens=512,
+    )
+    try:
+        assert ctx.unified
         yield ctx
     finally:
         ctx.close()
@@ -67,3 +92,23 @@ def test_copied_cells_read_as_the_original(engine: LlamaContext) -> None:
     # The original's cells are its own still: decoding on the copies changed nothing.
     assert engine.drop(0, n)
     assert np.array_equal(decode(engine, 0, [nxt], n), original)
+
+
+def test_in_a_unified_pool_a_copy_replaces_what_the_slot_held() -> None:
+    """``copy_seq`` into a slot that held other cells, in one pool: the slot reads as
+    the source, bit for bit, as a copy between KV streams does. llama.cpp's ``seq_cp``
+    inside one pool adds the source's cells to the destination's: without removing
+    them first the slot attended to two cells at each position (issue 46, found by
+    test_kv_oracle.py)."""
+    with small_pool() as ctx:
+        tokens = ctx.vocab.tokenize("The lighthouse on the rocky northern coast was built in")
+        n = len(tokens)
+        decode(ctx, 0, tokens, 0)
+        decode(ctx, 1, tokens[::-1], 0)  # slot 1 holds other cells at the same positions
+        nxt = ctx.vocab.tokenize(" 1")[-1]
+        ctx.copy_seq(0, 1)
+        assert ctx.held(1) == n
+        copy = decode(ctx, 1, [nxt], n)
+        assert ctx.drop(1, -1)
+        original = decode(ctx, 0, [nxt], n)
+        assert np.array_equal(copy, original)

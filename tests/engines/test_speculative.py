@@ -101,23 +101,35 @@ def test_a_rejected_token_is_never_written_in_its_place() -> None:
             assert verdict.tokens[0] != 3
 
 
-def test_draft_length_follows_acceptance() -> None:
+def test_draft_length_follows_acceptance_and_the_measured_costs() -> None:
+    # Rows a third of a step each (SmolLM2's Q8_0 on 2 cores: a 16-row step costs ~6.7
+    # one-row steps, a 64-row one ~23), measured up to 65 rows.
+    costs = _costs({n: 0.009 * (1 + 0.35 * (n - 1)) for n in (1, 2, 5, 9, 17, 33, 65)})
     seq = DraftLength()
-    assert seq.length() == 3  # the prior: drafts of 3
+    assert seq.length(costs) == 3  # the prior acceptance (0.8): short drafts
+    assert seq.length(StepCosts()) == 0  # nothing measured: no draft
     for _ in range(20):
         seq.observe(drafted=4, accepted=4)
-    assert seq.acceptance > 0.9 and seq.length() >= 6
-    assert seq.expected_accepted(4) > 3.0
+    assert seq.acceptance > 0.99 and seq.length(costs) >= 32  # copying: long drafts
+    assert seq.length(costs, 10) <= 10  # within max_tokens and the context
+    assert seq.expected_accepted(4) > 3.9
     for _ in range(20):
         seq.observe(drafted=4, accepted=0)
-    assert seq.acceptance < 0.1 and seq.length() == 0
+    assert seq.acceptance < 0.1 and seq.length(costs) == 0
     seq.observe(drafted=0, accepted=0)  # nothing drafted: nothing learned
-    assert seq.length() == 0
+    assert seq.length(costs) == 0
     steps = 0
-    while seq.length() == 0:  # resting, it tries again after a while
+    while seq.length(costs) == 0:  # resting, it tries again after a while
         seq.rest()
         steps += 1
-    assert 20 < steps < 200 and seq.length() == 1
+    # No constant threshold: it drafts again once its acceptance beats a row's cost.
+    assert 5 < steps < 200 and 0.35 < seq.acceptance < 0.5 and seq.length(costs) == 1
+    # Where a verified row costs a whole step (no batching gain), nothing pays.
+    flat = _costs({n: 0.009 * n for n in (1, 2, 9, 65)})
+    assert DraftLength(acceptance=0.9).length(flat) == 0
+    # Where rows are nearly free, even a middling acceptance drafts.
+    cheap = _costs({n: 0.009 + 0.0001 * n for n in (1, 65)})
+    assert DraftLength(acceptance=0.5).length(cheap) >= 1
 
 
 def _costs(per_ubatch: dict[int, float], *, unified: bool = False) -> StepCosts:

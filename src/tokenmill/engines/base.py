@@ -319,6 +319,9 @@ class EngineHealth:
     kv: dict[str, int] = field(default_factory=dict)
     # Whether the engine exports and imports KV state (KvMoving), for routing.
     moves_kv: bool = False
+    # The weights a llama.cpp replica serves, where from and why, and the kernel path
+    # they take on its CPU (tokenmill.engines.llamacpp.weights); empty elsewhere.
+    weights: dict[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable

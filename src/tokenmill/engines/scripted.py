@@ -23,7 +23,8 @@ Engine -> driver (events)::
     {"event": "hello", "pid": P}                     connected; once per instance,
                                                      then it waits for "go"
     {"event": "started", "id": R, "prompt": S, "prompt_tokens": N, "max_tokens": N,
-     "constraint": KIND | null}                      its structured output's kind
+     "constraint": KIND | null,                      its structured output's kind
+     "messages": [{"role", "content"}] | null}       the rendered turns, of a chat
     {"event": "aborted", "id": R, "tokens": N}       cancelled before it finished
     {"event": "ended", "id": R, "reason": "stop" | "length" | "error", "tokens": N}
     {"event": "ignored", "id": R, "op": OP}          a command for no running request
@@ -219,6 +220,9 @@ class ScriptedEngine:
                 "prompt_tokens": n_prompt,
                 "max_tokens": run.max_tokens,
                 "constraint": None if (c := request.sampling.constraint) is None else c.kind,
+                "messages": None
+                if request.messages is None
+                else [{"role": m.role, "content": m.content} for m in request.messages],
             }
         )
         return stream

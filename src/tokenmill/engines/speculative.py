@@ -19,23 +19,30 @@ what to keep, and when drafting pays.
   with ``d`` removed: each written token is distributed as the model's ``p``,
   whatever was drafted (speculative sampling, Leviathan et al. 2023, with a
   point-mass draft).
-* :class:`DraftLength`, :func:`best_cap`: **only where it pays**. A sequence drafts
-  while its measured acceptance says a drafted token is kept more often than not,
-  and :func:`best_cap` cuts every draft of a step to the length that writes the most
-  tokens a second: the tokens each draft is expected to add (a run of accepts)
-  against what verifying them adds to the step, from the measured cost of ubatches
-  by their rows (:class:`StepCosts`, :func:`ubatches`).
+* :class:`DraftLength`, :func:`best_cap`: **only where it pays**, by the measured
+  cost of ubatches by their rows (:class:`StepCosts`, :func:`ubatches`), with no
+  constant threshold or length. A sequence drafts while, alone, some draft length
+  would write more tokens a second than no draft at its measured acceptance (where a
+  verified row costs a third of a step, an acceptance above about a third; where it
+  costs a whole step, none), as long a draft as writes the most (up to
+  :data:`MAX_DRAFT`: long drafts where rows are cheap and acceptance is high, as in
+  copying); and :func:`best_cap` cuts every draft of a step to the length that writes
+  the most tokens a second for all the step's sequences together.
 """
 
 from __future__ import annotations
 
-import math
+import bisect
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-# Draft at most this many tokens a step for one sequence.
-MAX_DRAFT = 8
+# Draft at most this many tokens a step for one sequence (llama-server's n-gram modes
+# draft up to 64): how many of them are verified is the measured costs' call.
+MAX_DRAFT = 64
+# The draft lengths weighed (each a whole step's estimate): every length up to 8, then
+# roughly a third more each, so a step that drafts weighs a dozen, not 64.
+LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 # The n-grams looked up, longest first.
 MAX_NGRAM = 4
 MIN_NGRAM = 2
@@ -197,11 +204,11 @@ def _draw(p: Distribution, rng: random.Random) -> int:
 
 @dataclass
 class DraftLength:
-    """One sequence's draft length, from its measured acceptance: the chance that a
-    drafted token is accepted, as a moving average over its verified drafts."""
+    """One sequence's draft length, from its measured acceptance (the chance that a
+    drafted token is accepted, as a moving average over its verified drafts) and the
+    measured cost of steps."""
 
     acceptance: float = PRIOR
-    max_draft: int = MAX_DRAFT
 
     def rest(self) -> None:
         """A step without a draft: the acceptance drifts back toward :data:`PRIOR`."""
@@ -222,16 +229,26 @@ class DraftLength:
             return float(k)
         return a * (1.0 - a**k) / (1.0 - a)
 
-    def length(self) -> int:
-        """The draft length whose last token is still more likely kept than not
-        reached: the longest ``k`` with ``acceptance ** k >= 1/2`` (at least 1 while
-        acceptance is above a half, else 0: drafting off for this sequence)."""
-        a = self.acceptance
-        if a <= 0.5:
+    def length(self, costs: StepCosts, limit: int = MAX_DRAFT) -> int:
+        """The draft length (at most ``limit``) that writes the most tokens a second
+        for this sequence alone: ``1 + expected_accepted(k)`` tokens in the time of a
+        ubatch of ``1 + k`` rows, against one token in a ubatch of one. 0 (drafting
+        does not pay at this acceptance and these costs: the sequence rests) while
+        no step is measured, or where no length beats none."""
+        one = costs.ubatch(1)
+        if one is None or one <= 0.0:
             return 0
-        if a >= 1.0:
-            return self.max_draft
-        return max(1, min(self.max_draft, math.floor(math.log(0.5) / math.log(a))))
+        best, best_rate = 0, 1.0 / one
+        for k in LENGTHS:
+            if k > limit:
+                break
+            seconds = costs.ubatch(1 + k)
+            if seconds is None or seconds <= 0.0:
+                break
+            rate = (1.0 + self.expected_accepted(k)) / seconds
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
 
 def ubatches(rows: Sequence[tuple[int, int]], *, unified: bool, n_ubatch: int) -> list[int]:
@@ -279,12 +296,15 @@ class StepCosts:
         self.unified = unified
         self.n_ubatch = n_ubatch
         self._seconds: dict[int, float] = {}
+        self._sizes: list[int] = []  # the sizes measured, in order
 
     def observe(self, rows: Sequence[tuple[int, int]], seconds: float) -> None:
         split = ubatches(rows, unified=self.unified, n_ubatch=self.n_ubatch)
         if len(split) != 1:
             return  # which of its ubatches took how long is not known
         last = self._seconds.get(split[0])
+        if last is None:
+            bisect.insort(self._sizes, split[0])
         self._seconds[split[0]] = seconds if last is None else last + ALPHA * (seconds - last)
 
     def estimate(self, rows: Sequence[tuple[int, int]]) -> float | None:
@@ -301,8 +321,10 @@ class StepCosts:
         seconds = self._seconds
         if n in seconds:
             return seconds[n]
-        below = max((m for m in seconds if m < n), default=None)
-        above = min((m for m in seconds if m > n), default=None)
+        sizes = self._sizes
+        i = bisect.bisect_left(sizes, n)  # sizes[:i] < n < sizes[i:]
+        below = sizes[i - 1] if i else None
+        above = sizes[i] if i < len(sizes) else None
         if below is not None and above is not None:
             f = (n - below) / (above - below)
             return seconds[below] + f * (seconds[above] - seconds[below])
@@ -310,7 +332,7 @@ class StepCosts:
             # Beyond the largest measured: on along the line through the two largest,
             # or with one measured, each row half a pass more (a guess that gets a
             # first draft tried, whose step then measures it).
-            under = max((m for m in seconds if m < below), default=None)
+            under = sizes[i - 2] if i >= 2 else None
             if under is None:
                 return seconds[below] * (1.0 + ROW_PRIOR * (n - below) / below)
             slope = max(0.0, (seconds[below] - seconds[under]) / (below - under))
@@ -337,7 +359,8 @@ def best_cap(
     sequences = len(drafts) + len(plain)
     deepest = max(n for _, n, _ in drafts)
     best, best_rate = 0, 0.0
-    for cap in range(deepest + 1):
+    caps = [0, *(k for k in LENGTHS if k < deepest), deepest]
+    for cap in caps:
         rows = sorted(
             [(slot, 1) for slot in plain] + [(slot, 1 + min(n, cap)) for slot, n, _ in drafts]
         )

@@ -64,7 +64,7 @@ from tokenmill.engines.upstream_wire import (
     event_usage,
     request_body,
 )
-from tokenmill.errors import EngineError, InvalidRequestError, TokenmillError
+from tokenmill.errors import EngineError, InvalidRequestError, ServiceError
 
 if TYPE_CHECKING:
     from tokenmill.engines.llamacpp.vocab import GgufTokenizer
@@ -273,7 +273,7 @@ class UpstreamEngine:
             await asyncio.sleep(delay)
             attempt += 1
 
-    async def _error(self, resp: httpx.Response) -> TokenmillError:
+    async def _error(self, resp: httpx.Response) -> ServiceError:
         try:
             raw = await resp.aread()
         finally:
@@ -314,7 +314,7 @@ class UpstreamEngine:
             stream.put(Chunk("", finish, usage or state.usage()))
         except asyncio.CancelledError:
             stream.put(Chunk("", "abort", usage or state.usage()))
-        except TokenmillError as e:
+        except ServiceError as e:
             stream.put(e)
         except json.JSONDecodeError:
             stream.put(EngineError("the upstream sent a malformed event"))

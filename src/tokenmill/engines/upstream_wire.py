@@ -28,7 +28,7 @@ from tokenmill.errors import (
     EngineError,
     InvalidRequestError,
     OverloadedError,
-    TokenmillError,
+    ServiceError,
     UnavailableError,
 )
 
@@ -118,7 +118,7 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def answer_error(status: int, raw: bytes, retry_after: str | None) -> TokenmillError:
+def answer_error(status: int, raw: bytes, retry_after: str | None) -> ServiceError:
     """An upstream's error answer (``status``, its body ``raw``) as tokenmill's error."""
     message = raw.decode("utf-8", "replace")[:500]
     param = code = None

@@ -39,10 +39,14 @@ Used by those, and by nothing outside llama.cpp:
 * ``grammar``: constraints (JSON schema, regex, choices) as llguidance grammars.
 * ``embedder``: embeddings, run on the decode thread.
 * ``threads``: how many threads a step uses, tuned by measuring; the CPU it runs on.
+* ``weights``: which file a replica serves (as given, or converted once by llama.cpp's
+  quantizer and cached) and the kernel path its weights take; ``gguf`` reads a model
+  file's header, ``kernels`` is llama.cpp's rule for that path (both pure);
+  ``perplexity`` and ``convert`` are ``tokenmill convert``.
 
 The pure parts (``choices``, ``admission``, ``batch``, ``slotcache``, ``slots``,
-``logits``, ``threads``) import no llama.cpp and are unit-tested without it: this
-package's ``__init__`` loads
+``logits``, ``threads``, ``gguf``, ``kernels``) import no llama.cpp and are
+unit-tested without it: this package's ``__init__`` loads
 ``engine`` (and so ``llama_cpp``) only when :class:`LlamaCppEngine` is asked for.
 The engine is loaded lazily by name, never by ``import tokenmill``.
 """

@@ -1,7 +1,9 @@
 """What one decode step computes: the batch of the llama.cpp engine's step loop.
 
 Every decoding choice gets its next token; the prompt budget left goes to prefilling
-choices first come, first served, so a long prompt never stalls running streams. A
+choices as :func:`~.prefill.grant_prefills` orders them (the shortest left first, the
+oldest always a share), so a long prompt never stalls running streams, nor a short
+prompt that came after it. A
 follower (see :mod:`.choices`) waits for its leader's prompt: it neither decodes nor
 prefills. Background choices (a Batch API line's) sit out every step that prefills a
 foreground prompt: a batch on a CPU would otherwise add its decodes to the step that
@@ -22,6 +24,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from tokenmill.engines.llamacpp.choices import Choice
+from tokenmill.engines.llamacpp.prefill import Pending, grant_prefills
 
 __all__ = ["BatchPlan", "Row", "plan_batch"]
 
@@ -48,19 +51,13 @@ class BatchPlan:
 
 def plan_batch(running: Collection[Choice], *, prefill_chunk: int, capacity: int) -> BatchPlan:
     """The next step's batch for ``running`` (in arrival order), at most ``capacity``
-    rows of which at most ``prefill_chunk`` prompt tokens."""
+    rows of which at most ``prefill_chunk`` prompt tokens (see :mod:`.prefill`)."""
     if any(_waits_for_prompt(s) and not s.background for s in running):
         # A foreground prompt to prefill: background sequences sit this step out.
         running = [s for s in running if not s.background]
     decoding = sum(1 for s in running if s.prefilled)
-    budget = min(prefill_chunk, capacity - decoding)
-    grant: dict[str, int] = {}
-    for seq in running:
-        if budget <= 0:
-            break
-        if not seq.prefilled and seq.leader is None:
-            grant[seq.key] = take = min(len(seq.prompt) - seq.n_past, budget)
-            budget -= take
+    pending = [Pending(s.key, len(s.prompt) - s.n_past) for s in running if _waits_for_prompt(s)]
+    grant = grant_prefills(pending, min(prefill_chunk, capacity - decoding)) if pending else {}
     # Drafts take what the prompts leave: a first token never waits for a draft.
     room = max(0, capacity - decoding - sum(grant.values()))
     plan = BatchPlan()

@@ -52,6 +52,7 @@ class Choice:
     generated: int = 0
     last_token: int = -1
     sampler: Any = None  # its llama.cpp sampler chain, while it runs
+    greedy: bool = False  # the chain is greedy alone: its token is the logits' argmax
     done: bool = False
     # Tokens waiting for their text, when log probabilities were asked for.
     aligner: TokenAligner | None = None

@@ -1,7 +1,8 @@
 """One loaded GGUF model and its decode context: the llama.cpp calls of the decode loop.
 
-:class:`LlamaContext` owns the ``llama_model``, the ``llama_context`` with one KV
-stream per slot (``kv_unified=false``) and the batch every step is written into. It
+:class:`LlamaContext` owns the ``llama_model``, the ``llama_context`` (one KV pool the
+slots share, ``kv_unified=true``, or a KV stream per slot) and the batch every step is
+written into. It
 decodes, reads logits, samples, and copies or drops a slot's KV cells; what those
 cells hold is recorded elsewhere (:mod:`.slotcache`), and what to do with them is
 decided elsewhere (:mod:`tokenmill.engines.llamacpp.slots`, :mod:`.kvslots`).
@@ -123,10 +124,13 @@ class RopeScaling:
 
 
 class LlamaContext:
-    """A model loaded for ``n_slots`` sequences of up to ``n_ctx_seq`` tokens each
-    (0: the model's trained context, at most ``DEFAULT_MAX_N_CTX``), in a pool of
-    ``pool_tokens`` KV cells (None: ``POOL_TOKENS_PER_SLOT`` a slot, at least one
-    context); see the module docstring.
+    """A model loaded for ``n_slots`` sequences of up to ``n_ctx_seq`` tokens each.
+
+    ``unified``: the slots share one pool of ``pool_tokens`` KV cells (None:
+    ``POOL_TOKENS_PER_SLOT`` a slot, at least one context), and ``n_ctx_seq`` 0 is
+    the model's trained context, at most ``DEFAULT_MAX_N_CTX``. Otherwise every slot
+    has a KV stream of ``n_ctx_seq`` cells (0: ``POOL_TOKENS_PER_SLOT``, at most the
+    trained context), and ``pool_tokens`` must be None.
 
     ``batch_size`` bounds the tokens of one decode (the step's prefill chunk plus a
     token for every slot).
@@ -142,6 +146,7 @@ class LlamaContext:
         batch_size: int,
         pool_tokens: int | None = None,
         rope: RopeScaling | None = None,
+        unified: bool = True,
     ) -> None:
         if not path.is_file():
             raise EngineError(f"model file not found: {path}")
@@ -150,13 +155,13 @@ class LlamaContext:
         if not model:
             raise EngineError(f"llama.cpp could not load {path}")
         try:
-            n_ctx, pool = self._sizes(model, n_slots, n_ctx_seq, pool_tokens)
+            n_ctx, pool = self._sizes(model, n_slots, n_ctx_seq, pool_tokens, unified)
         except EngineError:
             ll.llama_model_free(model)
             raise
-        self.unified = pool < n_ctx * n_slots
+        self.unified = unified
         cparams = ll.llama_context_default_params()
-        cparams.n_ctx = pool if self.unified else n_ctx * n_slots
+        cparams.n_ctx = pool
         cparams.n_seq_max = n_slots
         cparams.n_batch = batch_size
         cparams.n_ubatch = batch_size
@@ -188,18 +193,28 @@ class LlamaContext:
 
     @staticmethod
     def _sizes(
-        model: Any, n_slots: int, n_ctx_seq: int, pool_tokens: int | None
+        model: Any, n_slots: int, n_ctx_seq: int, pool_tokens: int | None, unified: bool
     ) -> tuple[int, int]:
-        """(tokens a sequence may hold, cells of the pool); an EngineError naming the
-        key when the pool would not fit in the memory available."""
-        n_ctx = n_ctx_seq or min(int(ll.llama_model_n_ctx_train(model)), DEFAULT_MAX_N_CTX)
-        pool = pool_tokens or max(n_ctx, n_slots * POOL_TOKENS_PER_SLOT)
-        if pool < n_ctx:
-            raise EngineError(
-                f"kv_pool_tokens = {pool} is less than n_ctx = {n_ctx}: one sequence "
-                "could never use its whole context. Raise kv_pool_tokens or lower n_ctx"
-            )
-        cells = pool if pool < n_ctx * n_slots else n_ctx * n_slots
+        """(tokens a sequence may hold, cells of the context, all slots together); an
+        EngineError naming the key when they would not fit in the memory available."""
+        trained = int(ll.llama_model_n_ctx_train(model))
+        if unified:
+            n_ctx = n_ctx_seq or min(trained, DEFAULT_MAX_N_CTX)
+            pool = pool_tokens or max(n_ctx, n_slots * POOL_TOKENS_PER_SLOT)
+            if pool < n_ctx:
+                raise EngineError(
+                    f"kv_pool_tokens = {pool} is less than n_ctx = {n_ctx}: one sequence "
+                    "could never use its whole context. Raise kv_pool_tokens or lower n_ctx"
+                )
+        else:
+            if pool_tokens is not None:
+                raise EngineError(
+                    "kv_pool_tokens sizes the shared pool; with kv_layout = 'per_slot' "
+                    "every slot has n_ctx cells of its own: set n_ctx instead"
+                )
+            n_ctx = n_ctx_seq or min(trained, POOL_TOKENS_PER_SLOT)
+            pool = n_ctx * n_slots
+        cells = pool
         need = cells * kv_bytes_per_token(model) + int(ll.llama_model_size(model))
         available = mem_available()
         if available is not None and need + HEADROOM_BYTES > available:
@@ -209,7 +224,11 @@ class LlamaContext:
                 f"{key} = {value} needs {cells} KV cells ({need / 2**30:.1f} GiB with "
                 f"the model), more than the {available / 2**30:.1f} GiB of memory "
                 f"available: lower {key}"
-                + ("" if pool_tokens else " (or max_num_seqs, or set kv_pool_tokens)")
+                + (
+                    ""
+                    if pool_tokens
+                    else " (or max_num_seqs" + (", or set kv_pool_tokens)" if unified else ")")
+                )
             )
         return n_ctx, pool
 
@@ -282,11 +301,18 @@ class LlamaContext:
         would be read before it is made).
 
         In a unified pool ``seq_cp`` copies nothing: ``dst`` shares ``src``'s cells, at
-        once. A sequence state written there instead was read back wrong by later
-        steps (llama-cpp-python 0.3.36: a copied prefix gave first-token logprobs 0.1
-        to 2 nats off a fresh computation's), so the pool only ever shares.
+        once. But it *adds* them to whatever ``dst`` held (only a copy between KV
+        streams replaces the destination's stream), so ``dst``'s own cells go first:
+        a slot holding two cells at one position attends to both, and its answers
+        change (issue #46: the shared pool's corruption under load, found by
+        tests/engines/test_kv_oracle.py). llama-server removes the destination
+        before every ``seq_cp`` for the same reason.
         """
-        if not self.copies_queued and not self.unified:
+        if self.unified:
+            ll.llama_memory_seq_rm(self._mem, dst, -1, -1)
+            ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+            return
+        if not self.copies_queued:
             ctx = self._ctx
             size = ll.llama_state_seq_get_size(ctx, src)
             # A new buffer each time (0.25 ms more than reusing one for 4 MB here):
@@ -297,8 +323,7 @@ class LlamaContext:
                 return
             log.warning("llama.cpp refused slot %d's state for slot %d: copying", src, dst)
         ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
-        # Between KV streams the copy waits for the next decode; in one pool it is made.
-        self.copies_queued = not self.unified
+        self.copies_queued = True  # between KV streams the copy waits for the next decode
 
     def save_seq(self, slot: int) -> bytearray | None:
         """Slot ``slot``'s KV cells as llama.cpp's sequence state (to park them in host

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import struct
 import threading
 import time
@@ -43,10 +44,16 @@ from typing import Any, BinaryIO
 from tokenmill.engines.llamacpp.hosttier import covered, longest_prefix
 from tokenmill.engines.llamacpp.slots import KV_COPY_MIN_TOKENS
 
-__all__ = ["DiskEntry", "DiskStats", "DiskTier", "DiskWriter"]
+__all__ = ["DiskEntry", "DiskStats", "DiskTier", "DiskWriter", "default_capacity"]
 
 log = logging.getLogger("tokenmill.engines.llamacpp")
 
+# The bound where kv_disk_bytes is unset: a tenth of the free space of its file system,
+# at most 4 GiB. The tier is on by default, so it takes a modest share of a disk it
+# may share with anything: room for several agent sessions' prefixes (SmolLM2: a whole
+# 32k sequence is 755 MB), never half the disk.
+DEFAULT_MAX_BYTES = 4 << 30
+DEFAULT_FREE_SHARE = 10
 MAGIC = b"tokenmill-kv 1\n"
 SUFFIX = ".tmkv"
 _LEN = struct.Struct("<I")
@@ -69,6 +76,23 @@ class DiskStats:
     restored_tokens: int = 0  # tokens of those a prompt reused
     evictions: int = 0  # files deleted, least recently used, for room
     dropped: int = 0  # files deleted as stale, foreign or corrupt
+
+
+def default_capacity(directory: Path, one: int) -> int | None:
+    """The tier's bound when ``kv_disk_bytes`` is unset; None (no disk tier, with a
+    log line) where it could not hold one whole sequence (``one`` bytes)."""
+    path = directory
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    capacity = min(DEFAULT_MAX_BYTES, shutil.disk_usage(path).free // DEFAULT_FREE_SHARE)
+    if capacity < one:
+        log.warning(
+            "no KV disk tier in %s: a tenth of the free space there (%d bytes) cannot hold "
+            "one sequence (%d bytes); set kv_disk_bytes for one",
+            directory, capacity, one,
+        )  # fmt: skip
+        return None
+    return capacity
 
 
 def _name(tokens: Sequence[int]) -> str:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
+from typing import Literal
 
 from tokenmill import stages
-from tokenmill.config import LlamaCppDeployment
+from tokenmill.config import LlamaCppDeployment, WeightsSetting, default_data_dir
 from tokenmill.engines.base import (
     Chunk,
     EngineHealth,
@@ -45,7 +45,7 @@ from tokenmill.engines.llamacpp.context import (
     mem_available,
 )
 from tokenmill.engines.llamacpp.counters import Counters
-from tokenmill.engines.llamacpp.disktier import DiskTier, DiskWriter
+from tokenmill.engines.llamacpp.disktier import DiskTier, DiskWriter, default_capacity
 from tokenmill.engines.llamacpp.embedder import Embedder
 from tokenmill.engines.llamacpp.grammar import GrammarCache
 from tokenmill.engines.llamacpp.hosttier import HostTier
@@ -55,6 +55,7 @@ from tokenmill.engines.llamacpp.loop import PREFILL_CHUNK, DecodeLoop
 from tokenmill.engines.llamacpp.slotcache import SlotCache
 from tokenmill.engines.llamacpp.threads import ThreadTuner, available_cpus
 from tokenmill.engines.llamacpp.vocab import Vocab
+from tokenmill.engines.llamacpp.weights import ServedWeights, served_weights
 from tokenmill.errors import EngineError
 from tokenmill.kvblocks import CacheEvent, CachePublisher
 
@@ -67,8 +68,6 @@ log = logging.getLogger("tokenmill.engines.llamacpp")
 # loaded, at most llama-server's --cache-ram default (8 GiB).
 HOST_TIER_MAX_DEFAULT = 8 << 30
 HOST_TIER_SHARE = 4
-# The disk tier's default size: half the free space of its file system, at most this.
-DISK_TIER_MAX_DEFAULT = 32 << 30
 
 
 def holds_one(key: str, value: int, context: LlamaContext, advice: str = "") -> None:
@@ -113,14 +112,16 @@ def disk_tier(
     engine: LlamaCppEngine, context: LlamaContext, host: int, fingerprint: str
 ) -> DiskWriter | None:
     """The disk tier (``kv_disk_dir``, ``kv_disk_bytes``), opened: its files checked,
-    stale or foreign ones deleted, the rest published; None without a directory."""
+    stale or foreign ones deleted, the rest published; None without a directory, or
+    without room for its default bound."""
     directory = engine.kv_disk_dir
     if directory is None:
         return None
     capacity = engine.kv_disk_bytes
     if capacity is None:
-        one = context.n_ctx_seq * context.bytes_per_token
-        capacity = max(one, min(DISK_TIER_MAX_DEFAULT, _disk_free(directory) // 2))
+        capacity = default_capacity(directory, context.n_ctx_seq * context.bytes_per_token)
+        if capacity is None:
+            return None
     if host == 0:
         raise EngineError(
             "kv_disk_dir needs the host-memory tier (what it parks is written to disk): "
@@ -137,13 +138,6 @@ def disk_tier(
     return DiskWriter(tier)
 
 
-def _disk_free(directory: Path) -> int:
-    path = directory
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
 class _Loaded:
     """What one ``start()`` makes and ``close()`` frees: the model and its loop."""
 
@@ -157,6 +151,7 @@ class _Loaded:
             batch_size=max(PREFILL_CHUNK + n_slots, 512),
             pool_tokens=engine.kv_pool_tokens,
             rope=engine.rope,
+            unified=engine.kv_layout == "shared",
         )
         context = self.context
         try:
@@ -196,6 +191,7 @@ class _Loaded:
             tuner=engine._tuner,
             embedder=self.embedder,
             speculate=engine.speculative,
+            always_draft=engine.speculative_rule == "always",
         )
         self.next_turns = NextTurns(context.vocab)
         # Compiled grammars of constrained requests (see grammar.py), made on first use.
@@ -225,20 +221,31 @@ class LlamaCppEngine:
         n_threads: int | None = None,
         adapt_threads: bool = True,
         kv_host_bytes: int | None = None,
+        kv_layout: Literal["shared", "per_slot"] = "shared",
         kv_pool_tokens: int | None = None,
         kv_disk_dir: str | Path | None = None,
         kv_disk_bytes: int | None = None,
         rope: RopeScaling | None = None,
         speculative: bool = False,
+        speculative_rule: Literal["measured", "always"] = "measured",
+        weights: WeightsSetting | None = None,
+        weights_dir: str | Path | None = None,
     ) -> None:
         self.model_path = Path(model_path) if model_path else None
+        # The file served for it: as given, or converted (see weights.py).
+        self.weights = weights
+        self.weights_dir = Path(weights_dir) if weights_dir else default_data_dir() / "weights"
+        self.served: ServedWeights | None = None
         self.speculative = speculative  # n-gram drafts verified in the step
+        self.speculative_rule = speculative_rule  # which drafts: by measured costs, or all
         self.rope = rope  # RoPE context extension (the deployment's rope_* keys)
         self.max_num_seqs = max_num_seqs
         # 0: the model's trained context (known once it is loaded).
         self.n_ctx_seq = n_ctx
         # None: a default from the host's memory (see host_tier_bytes); 0: no tier.
         self.kv_host_bytes = kv_host_bytes
+        # One KV pool the slots share, or a KV stream a slot (LlamaContext).
+        self.kv_layout = kv_layout
         self.kv_pool_tokens = kv_pool_tokens
         # The disk tier: None, none; kv_disk_bytes None: a default from the free space.
         self.kv_disk_dir = Path(kv_disk_dir) if kv_disk_dir else None
@@ -280,6 +287,7 @@ class LlamaCppEngine:
             n_threads=n_threads,
             adapt_threads=config.adapt_threads,
             kv_host_bytes=config.kv_host_bytes,
+            kv_layout=config.kv_layout,
             kv_pool_tokens=config.kv_pool_tokens,
             kv_disk_dir=config.kv_disk_dir,
             kv_disk_bytes=config.kv_disk_bytes,
@@ -287,6 +295,9 @@ class LlamaCppEngine:
             if config.rope_scaling is None
             else RopeScaling(config.rope_scaling, config.rope_scale, config.yarn_orig_ctx),
             speculative=config.speculative == "ngram",
+            speculative_rule=config.speculative_rule,
+            weights=config.weights,
+            weights_dir=config.weights_dir,
         )
 
     # -- what it has done and holds (health, tests, the bench) -----------------------
@@ -336,7 +347,11 @@ class LlamaCppEngine:
         loaded.close()
 
     def _load(self) -> _Loaded:
-        path = self.model_path or embedded_model_path()
+        source = self.model_path or embedded_model_path()
+        self.served = served_weights(
+            source, self.weights, self.weights_dir, embedded=self.model_path is None
+        )
+        path = self.served.served
         loaded = self._loaded = _Loaded(self, path)
         self.n_ctx_seq = loaded.context.n_ctx_seq
         context = loaded.context
@@ -625,6 +640,7 @@ class LlamaCppEngine:
             detail={"stalled_s": self.stalled_s()},
             kv=self.kv_stats(),
             moves_kv=True,
+            weights={} if self.served is None else self.served.describe(),
         )
 
     def stalled_s(self) -> float:

@@ -1,9 +1,10 @@
 """The slots' KV cells on llama.cpp: placements, copies, parks, restores, releases,
 swaps and warm-ups.
 
-Which slot a request takes and what moves with it is decided by
-:func:`~tokenmill.engines.llamacpp.slots.plan_placement`, and what is parked in host memory
-and restored from it by a :class:`~.hosttier.HostTier`; what every slot holds is
+Which slot a request takes and what moves with it (copied from another slot, restored
+from host memory or from a file, and the room that takes) is decided by
+:func:`~tokenmill.engines.llamacpp.placement.place`, and what is parked in host memory
+by a :class:`~.hosttier.HostTier`; what every slot holds is
 recorded in a :class:`~.slotcache.SlotCache`. :class:`KvSlots` carries the decisions
 out on the llama.cpp context and records each in the cache (whose listeners so see
 every change), in that order.
@@ -19,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 
 from tokenmill.engines.llamacpp.choices import Choice
@@ -27,8 +27,19 @@ from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
 from tokenmill.engines.llamacpp.disktier import DiskEntry, DiskTier, DiskWriter
 from tokenmill.engines.llamacpp.hosttier import HostTier, Parked, covered
+from tokenmill.engines.llamacpp.placement import (
+    DiskOffer,
+    Event,
+    HostOffer,
+    HostRestored,
+    KvCopied,
+    Room,
+    Source,
+    place,
+    refused,
+)
 from tokenmill.engines.llamacpp.slotcache import SlotCache, WarmUp
-from tokenmill.engines.llamacpp.slots import KV_COPY_MIN_TOKENS, common_prefix, plan_placement
+from tokenmill.engines.llamacpp.slots import KV_COPY_MIN_TOKENS, common_prefix
 
 __all__ = ["KvSlots"]
 
@@ -82,10 +93,7 @@ class KvSlots:
         slots = self.cache.slots
         idle = [s for s in slots if s.seq is None and s.tokens and s.index not in spare]
         for slot in sorted(idle, key=lambda s: (s.last_used, s.index)):
-            self.park(slot.index, ())
-            self.context.drop(slot.index, -1)
-            self.cache.truncate(slot.index, 0)
-            self.counters.pool_evictions += 1
+            self._give_up((slot.index,))
             if self.free_cells() >= cells:
                 return True
         return False
@@ -121,8 +129,8 @@ class KvSlots:
         ``min_tokens``; a slot's, then a parked one's, then a disk tier file's among
         equals), with its state, for another replica (see
         :class:`tokenmill.engines.KvMoving`). Runs on the decode thread."""
-        Source = Callable[[], tuple[tuple[int, ...], bytearray | None]]
-        found: list[tuple[int, Source]] = []
+        Reader = Callable[[], tuple[tuple[int, ...], bytearray | None]]
+        found: list[tuple[int, Reader]] = []
         for slot in self.cache.slots:
             # A running slot's record may run ahead of its cells (a sampled token not
             # yet decoded): what its cells hold, exactly.
@@ -193,114 +201,100 @@ class KvSlots:
 
     def assign(self, seq: Choice, *, pending: int = 0, fills: bool = False) -> None:
         """Give ``seq`` a free slot, reusing the longest cached prefix of its prompt:
-        in a slot (copied if it is another one) or parked in host memory (restored),
-        whichever holds more of it.
+        in a slot (copied if it is another one), parked in host memory or in a file of
+        the disk tier (restored), whichever holds more of it.
 
         ``pending``: requests about to need a slot after it; ``fills``: this round of
         admissions takes every free slot (see ``plan_placement``). Sets ``seq.slot``
-        and how much of its prompt is cached (``n_past``, ``cached``).
+        and how much of its prompt is cached (``n_past``, ``cached``). What to do is
+        :func:`~.placement.place`'s decision; this looks up what the tiers offer for
+        it, carries it out and counts its events.
         """
         # Its prompt's log probabilities need logits of every prompt row: a cached
         # prefix would skip computing them. A follower's prompt comes from its
         # leader, whole.
         reuse = seq.prompt_logprobs is None and seq.leader is None
         slots, prompt, tier, context = self.cache.slots, seq.prompt, self.tier, self.context
-        plan = plan_placement(
+        host, found = None, None
+        if reuse and tier.enabled:
+            match = tier.match(prompt)
+            if match is not None:
+                host = HostOffer(match.key, match.common, len(tier.get(match.key).tokens))
+            found = None if self.disk is None else self.disk.match(prompt)
+        decision = place(
             slots,
             prompt,
+            room=Room(self.free_cells(), unified=context.unified),
             pending=pending,
             fills=fills,
-            reuse_prefix=reuse,
-            # With the host tier, what ``dest`` loses is parked there, not in a slot.
-            park=not tier.enabled,
+            reuse=reuse,
+            tiers=tier.enabled,
+            host=host,
+            disk=None if found is None else DiskOffer(found[1], len(found[0].tokens)),
         )
+        self._give_up(decision.evict)
+        restore: tuple[tuple[int, ...], bytearray] | None = None
+        if decision.source is Source.DISK:
+            assert self.disk is not None and found is not None and decision.fallback is not None
+            state = self.disk.read(found[0])  # None: it did not check out (deleted, logged)
+            if state is None:
+                decision = decision.fallback
+                self._give_up(decision.evict)
+            else:
+                restore = (found[0].tokens, state)
+        if decision.source is Source.HOST:
+            assert decision.host_key is not None
+            entry = tier.get(decision.host_key)
+            restore = (entry.tokens, entry.state)
+        plan = decision.plan
         dest = plan.dest
-        held = len(slots[dest].tokens)
-        match = None
-        if reuse and tier.enabled:
-            offered = plan.copy_tokens if plan.copy_from is not None else plan.keep
-            match = tier.match(prompt, better_than=offered)
-            # Restoring takes the entry's cells (dest's own are given back first).
-            if match is not None and not self.make_room(
-                len(tier.get(match.key).tokens) - held, spare=(dest,)
-            ):
-                match = None
-            # A file of the disk tier, if it holds more still (read and checked now).
-            from_disk = self._from_disk(prompt, max(offered, match.common if match else 0), dest)
-        else:
-            from_disk = None
-        restore: tuple[tuple[int, ...], bytearray, int] | None = None
-        if from_disk is not None:
-            restore, match = from_disk, None
-        elif match is not None:
-            entry = tier.get(match.key)
-            restore = (entry.tokens, entry.state, match.common)
         if restore is not None:
-            tokens, state, common = restore
-            keep = min(common, len(prompt) - 1)
-            self.park(dest, tokens[:keep])
-            plan = replace(plan, copy_from=None, copy_tokens=0, keep=keep)
+            tokens, state = restore
+            self.park(dest, tokens[: plan.keep])
             if context.restore_seq(dest, state):
-                self.counters.kv_copies += 1
                 self.cache.restore(dest, tokens)
-                if match is not None:
-                    whole = keep >= len(tokens)
-                    tier.restored(match.key, reused=keep, now=time.monotonic(), whole=whole)
-                elif self.disk is not None:
-                    self.disk.stats.hits += 1
-                    self.disk.stats.restored_tokens += keep
             else:
                 log.warning("llama.cpp refused a parked sequence for slot %d", dest)
                 self.cache.truncate(dest, 0)
-                plan = replace(plan, keep=0)
+                decision = refused(decision)
         else:
-            if plan.copy_from is not None and not self.make_room(
-                len(slots[plan.copy_from].tokens) - held, spare=(dest, plan.copy_from)
-            ):
-                # No room for the copy: the prompt is computed after dest's own prefix.
-                own = common_prefix(slots[dest].tokens, prompt) if reuse else 0
-                plan = replace(plan, copy_from=None, copy_tokens=0, keep=min(own, plan.keep))
             # What ``dest`` holds is parked before anything is copied into it.
             if plan.park_to is not None:
-                lost = len(slots[plan.park_to].tokens)
-                if self.make_room(held - lost, spare=(dest, plan.park_to, plan.source)):
-                    context.copy_seq(dest, plan.park_to)
-                else:
-                    plan = replace(plan, park_to=None)
-            if plan.copy_from is not None:
-                after = slots[plan.copy_from].tokens[: plan.keep]
-            else:
-                after = slots[dest].tokens[: plan.keep]
-            self.park(dest, after)
+                context.copy_seq(dest, plan.park_to)
+            kept = dest if plan.copy_from is None else plan.copy_from
+            self.park(dest, slots[kept].tokens[: plan.keep])
             if plan.copy_from is not None:
                 context.copy_seq(plan.copy_from, dest)
-        keep = plan.keep
+        self._count(decision.events)
+        keep = decision.keep
         if not context.drop(dest, keep):
             context.drop(dest, -1)
             keep = 0
-        self.cache.place(plan, seq, now=time.monotonic(), keep=keep)
-        self.counters.kv_copies += plan.copies
+        self.cache.place(decision.plan, seq, now=time.monotonic(), keep=keep)
         seq.slot = dest
         seq.n_past = keep
         seq.cached = keep
 
-    def _from_disk(
-        self, prompt: Sequence[int], offered: int, dest: int
-    ) -> tuple[tuple[int, ...], bytearray, int] | None:
-        """The disk tier's file sharing the most of ``prompt`` beyond ``offered``
-        tokens, read and checked, with room made for it: (tokens, state, common)."""
-        disk = self.disk
-        if disk is None:
-            return None
-        found = disk.match(prompt, better_than=offered)
-        if found is None:
-            return None
-        entry, common = found
-        held = len(self.cache.slots[dest].tokens)
-        if not self.make_room(len(entry.tokens) - held, spare=(dest,)):
-            return None
-        state = disk.read(entry)  # None: it did not check out (deleted, logged)
-        return None if state is None else (entry.tokens, state, common)
+    def _give_up(self, slots: Sequence[int]) -> None:
+        """Free slots ``slots``' cached cells go, in this order, for room in the pool
+        (each parked in host memory first if worth it)."""
+        for index in slots:
+            self.park(index, ())
+            self.context.drop(index, -1)
+            self.cache.truncate(index, 0)
+            self.counters.pool_evictions += 1
+
+    def _count(self, events: Sequence[Event]) -> None:
+        """Count what a carried-out placement did (:data:`~.placement.Event`)."""
+        for event in events:
+            if isinstance(event, KvCopied):
+                self.counters.kv_copies += event.streams
+            elif isinstance(event, HostRestored):
+                whole, now = event.whole, time.monotonic()
+                self.tier.restored(event.key, reused=event.reused, now=now, whole=whole)
+            elif self.disk is not None:
+                self.disk.stats.hits += 1
+                self.disk.stats.restored_tokens += event.reused
 
     def share(self, src: int, dst: int) -> None:
         """Slot ``dst`` takes a copy of slot ``src``'s cells (a follower of ``n``

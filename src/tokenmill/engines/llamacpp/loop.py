@@ -2,7 +2,8 @@
 
 Each step the loop admits queued requests whole (all of a request's choices get a
 slot at once), ends the cancelled ones, builds one batch holding the next token of
-every decoding choice plus a bounded chunk of pending prompt tokens (:mod:`.batch`),
+every decoding choice plus a chunk of pending prompt tokens sized to a step-time
+budget, shortest prompt first (:mod:`.prefill`, :mod:`.batch`),
 decodes it, samples every choice (:mod:`.outputs`) and hands the step's chunks to
 the sink in one call. ctypes releases the GIL inside llama.cpp, so the event loop
 keeps serving while a step runs. Between steps it runs a bounded batch of embedding
@@ -38,21 +39,16 @@ from tokenmill.engines.llamacpp.batch import BatchPlan, plan_batch
 from tokenmill.engines.llamacpp.choices import Choice, Group
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
+from tokenmill.engines.llamacpp.drafting import plan_drafts, step_rows
 from tokenmill.engines.llamacpp.embedder import Embedder
 from tokenmill.engines.llamacpp.kvslots import KvSlots
 from tokenmill.engines.llamacpp.logits import LogitRow
 from tokenmill.engines.llamacpp.outputs import OutputRows
-from tokenmill.engines.llamacpp.sampling import build_sampler
+from tokenmill.engines.llamacpp.prefill import RowCost
+from tokenmill.engines.llamacpp.sampling import build_sampler, only_greedy
 from tokenmill.engines.llamacpp.threads import ThreadTuner
 from tokenmill.engines.logprobs import finite
-from tokenmill.engines.speculative import (
-    MAX_DRAFT,
-    NgramIndex,
-    Speculation,
-    StepCosts,
-    best_cap,
-    verify,
-)
+from tokenmill.engines.speculative import NgramIndex, Speculation, StepCosts, verify
 from tokenmill.errors import EngineError
 
 T = TypeVar("T")
@@ -61,9 +57,9 @@ __all__ = ["PREFILL_CHUNK", "WARM_AFTER_S", "DecodeLoop"]
 
 log = logging.getLogger("tokenmill.engines.llamacpp")
 
-# Tokens of prompt prefilled per step across all sequences. Large enough that a
-# 2k-token prompt is in after 4 steps, small enough that a step with 16 decoding
-# streams stays a few tens of ms.
+# Tokens of prompt prefilled per step across all sequences at most (the batch is sized
+# for it): a step's share is sized to a time budget by measured step costs (prefill.py),
+# this whole chunk only where rows are that cheap, or before any step is measured.
 PREFILL_CHUNK = 512
 # Seconds after a foreground request arrived during which background-only steps
 # (Batch API lines) are each followed by as long a pause: the gateway's batch runner
@@ -103,6 +99,7 @@ class DecodeLoop:
         tuner: ThreadTuner | None,
         embedder: Embedder | None,
         speculate: bool = False,
+        always_draft: bool = False,
     ) -> None:
         self.context = context
         self.kv = kv
@@ -125,7 +122,12 @@ class DecodeLoop:
         # drafts by prompt lookup, verified in the step, as long as the measured costs
         # of ubatches (from the steps while drafting is on) say it pays.
         self.speculate = speculate
+        # Every draft found is verified whole, whatever the costs (speculative_rule =
+        # "always"): what a test of drafting needs on any CPU.
+        self.always_draft = always_draft
         self.step_costs = StepCosts(unified=context.unified, n_ubatch=context.batch_cap)
+        # What a step costs by its rows: how many prompt tokens fit a step's budget.
+        self.row_cost = RowCost()
         self._requests = RequestQueue()  # guarded by cv
         self._aborts: set[str] = set()
         self.running: dict[str, Choice] = {}  # by key, in arrival order
@@ -230,6 +232,7 @@ class DecodeLoop:
                     waiting = len(admitted) - i - 1 + requests.waiting
                     self.kv.assign(seq, pending=waiting, fills=fills)
                     seq.sampler = build_sampler(seq.sampling, self.context.vocab.n_tokens)
+                    seq.greedy = only_greedy(seq.sampling)
                     wanted = seq.sampling.speculative
                     if self.speculate if wanted is None else wanted:
                         seq.spec = Speculation(NgramIndex(seq.prompt))
@@ -302,10 +305,10 @@ class DecodeLoop:
 
     # -- a full pool: preemption by swap -------------------------------------------------
 
-    def _fit_pool(self) -> int:
+    def _fit_pool(self, chunk: int) -> int:
         """Make the pool hold this step's cells; returns the rows it may have.
 
-        A token for every decoding choice, and a prompt chunk: cached cells of free
+        A token for every decoding choice, and a prompt ``chunk``: cached cells of free
         slots are given up for them; if that is not enough for the decoding choices
         and one prompt token, the newest running choices are swapped out.
         """
@@ -313,7 +316,10 @@ class DecodeLoop:
         while True:
             decoding = sum(1 for s in self.running.values() if s.prefilled)
             prefilling = any(not s.prefilled and s.leader is None for s in self.running.values())
-            want = decoding + (PREFILL_CHUNK if prefilling else 0)
+            want = decoding + (chunk if prefilling else 0)
+            free = kv.free_cells()
+            if free >= want:  # (every step but those of a full pool: one sum, no search)
+                return free
             if kv.make_room(want) or kv.make_room(decoding + prefilling):
                 return kv.free_cells()
             victim = next(
@@ -374,17 +380,43 @@ class DecodeLoop:
             last = group.members[-1]
             events.append((last, Chunk("", "abort", group.usage(), index=last.index)))
 
+    def _prompt_rows(self, capacity: int) -> int:
+        """The prompt tokens this step may read. In the shared pool: what the step-time
+        budget leaves beside the decoding choices, by the measured cost of steps (see
+        prefill.py). With a KV stream a slot, PREFILL_CHUNK whatever the measured speed:
+        that layout keeps what else runs out of an answer, and llama.cpp's matrix kernels
+        sum a piece of another size in another order (test_host_tier's parked
+        conversation parted under load when the budget split its prompt)."""
+        if not self.context.unified:
+            return PREFILL_CHUNK
+        decoding, shortest = 0, None
+        for s in self.running.values():
+            if s.prefilled:
+                decoding += 1
+            elif s.leader is None:
+                left = len(s.prompt) - s.n_past
+                shortest = left if shortest is None else min(shortest, left)
+        return self.row_cost.chunk(
+            decoding, capacity=min(capacity, PREFILL_CHUNK + decoding), shortest=shortest
+        )
+
     def _step(self, events: Events) -> None:
         begun = time.monotonic()
         context = self.context
         capacity = context.batch_cap
+        chunk = self._prompt_rows(capacity)
         if context.unified:
-            capacity = min(capacity, self._fit_pool())
+            capacity = min(capacity, self._fit_pool(chunk))
         # Only while a choice may draft: nothing of it on the steps of those that do not.
         speculating = any(s.spec is not None for s in self.running.values())
         if speculating:
-            self._plan_drafts()
-        plan = plan_batch(self.running.values(), prefill_chunk=PREFILL_CHUNK, capacity=capacity)
+            plan_drafts(
+                self.running.values(),
+                self.step_costs,
+                n_ctx=context.n_ctx_seq,
+                always=self.always_draft,
+            )
+        plan = plan_batch(self.running.values(), prefill_chunk=chunk, capacity=capacity)
         if not plan.rows:
             return
         for i, (token, pos, slot, logits) in enumerate(plan.rows):
@@ -400,8 +432,10 @@ class DecodeLoop:
         rc = context.decode(n)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
+        seconds = context.decoded_at - started
+        self.row_cost.observe(n, seconds)
         if tuner is not None:
-            tuner.observe(threads, n, context.decoded_at - started)
+            tuner.observe(threads, n, seconds)
         if self._background_only(plan):
             # Background work takes at most half the engine's time while foreground
             # requests come: a step under way is what their first token waits for.
@@ -428,44 +462,7 @@ class DecodeLoop:
             # The whole step, its planning and sampling too: what a draft's tokens
             # save is steps, each of them all of this. Decode steps only: a prompt's
             # rows want no logits, and cost less than the rows a draft adds.
-            self.step_costs.observe(_rows(plan), time.monotonic() - begun)
-
-    def _plan_drafts(self) -> None:
-        """Each decoding choice's draft for this step (``choice.draft``): those whose
-        acceptance is high enough look up a draft (within ``max_tokens`` and the
-        context), and every draft is cut to the length that writes the most tokens a
-        second by the measured ubatch costs (none at all where verifying costs more
-        than it saves)."""
-        if any(not s.prefilled and s.leader is None for s in self.running.values()):
-            return  # a prompt to prefill: its first token does not wait for drafts
-        drafting: list[Choice] = []
-        plain: list[int] = []
-        for seq in self.running.values():
-            if not seq.prefilled or seq.done:
-                continue
-            spec = seq.spec
-            if spec is not None and spec.length.length() == 0:
-                spec.length.rest()
-            elif spec is not None:
-                k = min(
-                    MAX_DRAFT,
-                    seq.sampling.max_tokens - seq.generated - 1,
-                    self.context.n_ctx_seq - (len(seq.prompt) + seq.generated) - 1,
-                )
-                seq.draft = spec.index.draft(k)
-                if seq.draft:
-                    drafting.append(seq)
-                    continue
-            plain.append(seq.slot)
-        if not drafting:
-            return
-        cap = best_cap(
-            [(s.slot, len(s.draft), s.spec.length) for s in drafting if s.spec is not None],
-            plain,
-            self.step_costs,
-        )
-        for seq in drafting:
-            seq.draft = seq.draft[:cap]
+            self.step_costs.observe(step_rows(plan), time.monotonic() - begun)
 
     def _verify(self, seq: Choice, idxs: list[int], events: Events) -> None:
         """``seq``'s next token from output ``idxs[0]``, and while each is the draft
@@ -657,12 +654,3 @@ class DecodeLoop:
 
     def _post(self, events: list[tuple[Choice, Any]]) -> None:
         self._post_events([(seq.request_id, item) for seq, item in events])
-
-
-def _rows(plan: BatchPlan) -> list[tuple[int, int]]:
-    """A step's (slot, rows) for each sequence in it, in slot order (see
-    tokenmill.engines.speculative.ubatches)."""
-    rows: dict[int, int] = {}
-    for _, _, slot, _ in plan.rows:
-        rows[slot] = rows.get(slot, 0) + 1
-    return sorted(rows.items())

@@ -37,6 +37,10 @@ class OutputRows:
         if grammar is not None and not grammar.mask(self.context.logits(idx)):
             log.warning("request %s: grammar failed: %s", seq.request_id, grammar.error)
             return None
+        if seq.greedy:
+            # What llama.cpp's greedy sampler picks (the first of the largest), without
+            # copying the vocabulary into its candidates.
+            return int(self.context.logits(idx).argmax())
         return self.context.sample(seq.sampler, idx)
 
     def row(self, idx: int) -> LogitRow:
