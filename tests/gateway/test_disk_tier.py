@@ -135,3 +135,50 @@ def test_a_changed_file_is_refused_not_restored(server: tuple[ServerProcess, Pat
         )
         assert stats["disk_hits"] == 0
     assert "does not match (corrupt)" in srv.log()
+
+
+# The config of a deployment that names no disk tier: it gets one under the data dir.
+UNNAMED = '[[deployments]]\nid = "smollm2"\nmax_num_seqs = 1\nn_ctx = 1024\nn_threads = 1\n'
+
+
+def test_a_restarted_server_starts_from_its_cached_prefixes_by_default(tmp_path: Path) -> None:
+    # Stopped and started again on its data dir (a new version, a crash), a server
+    # finds the prefixes its replica had computed: the next session's prompt is read
+    # from the file, not computed.
+    files = tmp_path / "gw" / "data" / "kv" / "smollm2" / "replica-0"
+    first = opening("lighthouses")
+    srv = launch(tmp_path / "gw", config=UNNAMED)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+            answer = complete(c, first)
+            # What the slot holds is written once its request ended (and at shutdown).
+            stats = wait_until(
+                lambda: k if (k := kv(c)["kv"]).get("disk_entries") else None, "a file written"
+            )
+            assert 0 < stats["disk_capacity_bytes"] <= 4 << 30  # a modest default bound
+    finally:
+        srv.stop()
+    assert list(files.glob("*" + SUFFIX))
+    following = first + answer["choices"][0]["text"] + " Another fact is that"
+    srv = launch(tmp_path / "gw", config=UNNAMED)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+            got = complete(c, following)
+            cached = got["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= int(answer["usage"]["prompt_tokens"]), got["usage"]
+            line = wait_until(partial(srv.request_line, got["request_id"]), "the log line")
+            assert line["route"]["tier"] == "disk", line
+    finally:
+        srv.stop()
+
+
+def test_an_empty_kv_disk_dir_turns_the_disk_tier_off(tmp_path: Path) -> None:
+    srv = launch(tmp_path / "gw", config=UNNAMED + 'kv_disk_dir = ""\n')
+    try:
+        with httpx.Client(base_url=srv.url, timeout=HANG_S) as c:
+            complete(c, opening("glaciers"))
+            stats = wait_until(lambda: kv(c)["kv"], "the replica's kv stats")
+            assert "disk_capacity_bytes" not in stats and stats["host_capacity_bytes"] > 0
+    finally:
+        srv.stop()
+    assert not (tmp_path / "gw" / "data" / "kv").exists()

@@ -58,7 +58,8 @@ SERIES = {
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # Two slots for three conversations: parking is forced. One thread on a small
-    # shared machine.
+    # shared machine. The host tier alone: its series are what this test compares
+    # with /metrics (the disk tier's, on by default, are test_disk_tier.py's).
     srv = launch(
         tmp_path_factory.mktemp("kv-memory"),
         config=f"""
@@ -69,6 +70,7 @@ n_threads = 1
 max_num_seqs = 2
 n_ctx = 1024
 kv_host_bytes = {HOST_BYTES}
+kv_disk_dir = ""
 """,
     )
     yield srv

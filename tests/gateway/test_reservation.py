@@ -21,8 +21,8 @@ from tokenmill.engines import GenerationRequest, SamplingParams
 from tokenmill.errors import (
     ContextLengthError,
     EngineError,
-    InsufficientCreditError,
     InvalidRequestError,
+    PaymentRequiredError,
 )
 from tokenmill.gateway import Gateway, RequestRecord
 from tokenmill.gateway.reservation import Reservation
@@ -58,7 +58,7 @@ class SteppedMeter:
         if self._gate is not None:
             await self._gate.wait()
         if self.refuse:
-            raise InsufficientCreditError("no credit left: top the account up")
+            raise PaymentRequiredError("no credit left: top the account up")
         self.open[hold.request_id] = hold
 
     async def settle(self, hold: HoldRequest, settlement: Settlement) -> None:
@@ -156,7 +156,7 @@ async def test_a_hold_refused_gives_back_the_replica_and_the_permit(
 ) -> None:
     gw, meter, watcher = gateway
     meter.refuse = True
-    with pytest.raises(InsufficientCreditError):
+    with pytest.raises(PaymentRequiredError):
         await gw.open(gw.deployment("scripted"), request("r1"), ALICE)
     assert held(gw, meter) == NOTHING
     (record,) = watcher.ended

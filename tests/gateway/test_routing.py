@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from tokenmill.gateway.routing import ReplicaView, RouteQuery, policy
+from tokenmill.gateway.routing import Decision, ReplicaView, RouteQuery, RoutingPolicy, policy
 from tokenmill.gateway.routing.cache_aware import (
     DECODE_S,
     HORIZON,
@@ -18,6 +18,7 @@ from tokenmill.gateway.routing.cache_aware import (
     RESTORE_S,
     CacheAware,
 )
+from tokenmill.gateway.routing.history import RouteHistory
 from tokenmill.gateway.routing.least_loaded import LeastLoaded
 from tokenmill.gateway.routing.round_robin import RoundRobin
 from tokenmill.gateway.routing.speed import MIN_PREFILL_TOKENS, Speed
@@ -244,8 +245,19 @@ def test_a_replica_that_dies_is_never_chosen() -> None:
         CacheAware().choose([view(0, serving=False)], PROMPT)
 
 
+class Remembering:
+    """A policy with the memory its caller keeps (the deployment's RouteHistory)."""
+
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.policy = policy
+        self.history = RouteHistory()
+
+    def choose(self, replicas: list[ReplicaView], query: RouteQuery) -> Decision:
+        return self.history.choose(self.policy, replicas, query)
+
+
 def test_session_affinity_only_without_cache_information() -> None:
-    routing = CacheAware()
+    routing = Remembering(CacheAware())
     session = RouteQuery(prompt_tokens=10, session="alice")
     first = routing.choose([view(0, last_used=2.0), view(1, last_used=1.0)], session)
     assert (first.index, first.reason) == (1, "load")
@@ -276,8 +288,33 @@ def test_least_loaded_is_fewest_in_flight_then_least_recently_used() -> None:
     assert (d.reason, d.cached_tokens, d.score_s) == ("least_loaded", 32, None)
 
 
+def test_a_policy_keeps_nothing_between_calls() -> None:
+    # What an earlier request left (a session's replica, the last turn) comes in the
+    # query: the same replicas and query give the same decision, however often asked.
+    replicas = [view(0, last_used=2.0), view(1, in_flight=1, last_used=1.0)]
+    for p in (CacheAware(), LeastLoaded(), RoundRobin()):
+        for query in (
+            RouteQuery(10, session="alice"),
+            RouteQuery(10, session="alice", session_home=1),
+            RouteQuery(10, last_index=0),
+        ):
+            assert len({p.choose(replicas, query) for _ in range(3)}) == 1
+    homed = CacheAware().choose(replicas, RouteQuery(10, session="alice", session_home=1))
+    assert (homed.index, homed.reason) == (1, "affinity")
+
+
+def test_the_history_forgets_the_least_recently_routed_session_first() -> None:
+    history = RouteHistory(sessions_kept=2)
+    for name, index in (("a", 0), ("b", 1), ("a", 1), ("c", 0)):
+        history.record(RouteQuery(session=name), Decision(index, "load"))
+    assert len(history) == 2
+    assert history.recall(RouteQuery(session="b")).session_home is None  # forgotten
+    assert history.recall(RouteQuery(session="a")).session_home == 1
+    assert history.recall(RouteQuery()).last_index == 0
+
+
 def test_round_robin_takes_turns_among_those_with_room() -> None:
-    p = RoundRobin()
+    p = Remembering(RoundRobin())
     replicas = [view(0), view(1), view(2)]
     assert [p.choose(replicas, PROMPT).index for _ in range(4)] == [0, 1, 2, 0]
     full = [view(0), view(1, slots=1, in_flight=1), view(2)]

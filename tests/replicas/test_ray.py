@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import pytest
 from tests.conftest import RayCluster, ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
 from tests.gateway.test_tier_routing import busy_home_moves
+from tests.otlp import Received, Receiver, traced_env
 from tests.sse import DONE, events, text, to_done
 from tests.waiting import HANG_S, wait_until
 from tokenmill.config import ReplicatedDeployment
@@ -77,6 +78,46 @@ def test_a_ray_replica_serves_streams_and_says_where_it_runs(
         assert r2.status_code == 200, r2.text
         usage = r2.json()["usage"]
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (4, 2)
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    """An OTLP receiver; named before the servers, it outlives them (they export what
+    is left as they stop)."""
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def test_a_ray_actor_exports_its_spans_into_the_gateways_trace(
+    receiver: Receiver,
+    driver: EngineDriver,
+    ray_cluster: RayCluster,
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    # The actor runs on the test's cluster, whose processes have no OTEL_* variables:
+    # it exports because the gateway hands them on in the actor's runtime environment.
+    srv = start_server(config=on_ray(driver, ray_cluster), env=traced_env(receiver))
+    trace_id, parent = "5bf92f3577b34da6a3ce929d0e0e4736", "10f067aa0ba902b7"
+    headers = {"traceparent": f"00-{trace_id}-{parent}-01", **named("t")}
+    with httpx.Client(base_url=srv.url, timeout=HANG_S) as c, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(c.post, "/v1/completions", json=body(2, False), headers=headers)
+        driver.emit("t", 2)
+        assert answer.result(timeout=HANG_S).status_code == 200
+    names = {"tokenmill.replica", "tokenmill.replica.decode", "tokenmill.decode"}
+
+    def spans() -> list[Received] | None:
+        got = receiver.trace(trace_id)
+        return got if names <= {s.span.name for s in got} else None
+
+    got = wait_until(spans, "the gateway's and the actor's spans")
+    [root] = [s for s in got if s.span.name == "text_completion scripted"]
+    [actor] = [s for s in got if s.span.name == "tokenmill.replica"]
+    [decode] = [s for s in got if s.span.name == "tokenmill.replica.decode"]
+    assert root.parent == parent and actor.parent == root.id and decode.parent == actor.id
+    assert actor.attributes["tokenmill.replica.pid"] == driver.wait("hello")["pid"]
+    assert actor.attributes["gen_ai.usage.output_tokens"] == 2
+    assert actor.resource["service.name"] == "tokenmill-under-test"
 
 
 def test_a_client_leaving_stops_generation_on_ray(

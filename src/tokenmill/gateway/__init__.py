@@ -2,7 +2,8 @@
 
 Admission (:mod:`.admission`, :mod:`.fairqueue`), routing (:mod:`.routing`,
 :mod:`.prefix`), the credit reservation (:mod:`.reservation`), the metered stream
-(:mod:`.core`) and each deployment's replicas (:mod:`.deployment`). Replica hosting
+(:mod:`.core`), each deployment (:mod:`.deployment`) and its replicas' lives
+(:mod:`.replicaset`, driven by :mod:`.scaling`). Replica hosting
 itself is the layer below, :mod:`tokenmill.replicas`; the books are the ledger's,
 reached through :class:`tokenmill.metering.Meter`. Callers import from here.
 """

@@ -25,11 +25,12 @@ Two decisions, kept apart:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 # A replica whose first tokens come this close to the TTFT target keeps its replicas.
 TTFT_KEEP_FRACTION = 0.8
@@ -227,6 +228,12 @@ class FirstTokens:
         return p90([s for at, s in self.samples if at >= since])
 
 
+def unix_events(events: Sequence[ScaleEvent], now_unix: float, now: float) -> list[dict[str, Any]]:
+    """Scale events with ``at`` as Unix time, given both clocks read now (their
+    monotonic time is this process's)."""
+    return [{**dataclasses.asdict(e), "at": round(now_unix - (now - e.at), 3)} for e in events]
+
+
 def p90(values: Sequence[float]) -> float | None:
     """The 90th percentile (nearest rank) of ``values``; None when there are none."""
     if not values:
@@ -246,4 +253,5 @@ __all__ = [
     "ScaleTargets",
     "p90",
     "reconcile",
+    "unix_events",
 ]

@@ -29,9 +29,9 @@ from tokenmill.config import Settings
 from tokenmill.engines import Chunk, ChunkStream, GenerationRequest, Usage
 from tokenmill.errors import (
     EngineError,
-    NotFoundError,
-    PermissionDeniedError,
-    TokenmillError,
+    ForbiddenError,
+    ResourceNotFoundError,
+    ServiceError,
     UnavailableError,
 )
 from tokenmill.gateway.deployment import Deployment
@@ -168,7 +168,7 @@ class RequestStream:
                     code="shutting_down",
                 )
             raise EngineError("the replica ended the stream without finishing it")
-        except TokenmillError as e:
+        except ServiceError as e:
             if not self.cut_at_shutdown:  # else the books say "abort", as _close set
                 rec.status = "error"
                 rec.error_code = e.code
@@ -293,7 +293,8 @@ class Gateway:
     def __init__(self, settings: Settings, meter: Meter | None = None) -> None:
         self.settings = settings
         self.deployments: dict[str, Deployment] = {
-            d.id: Deployment(d, ray_address=settings.ray_address) for d in settings.deployments
+            d.id: Deployment(settings.with_data_dir(d), ray_address=settings.ray_address)
+            for d in settings.deployments
         }
         self.meter: Meter = meter or FreeMeter()
         self.observers: list[Observer] = []
@@ -355,12 +356,14 @@ class Gateway:
         if model is None:
             if len(self.deployments) == 1:
                 return next(iter(self.deployments.values()))
-            raise NotFoundError("'model' is required: name one of GET /v1/models", param="model")
+            raise ResourceNotFoundError(
+                "'model' is required: name one of GET /v1/models", param="model"
+            )
         try:
             return self.deployments[model]
         except KeyError:
             known = ", ".join(sorted(self.deployments)) or "none"
-            raise NotFoundError(
+            raise ResourceNotFoundError(
                 f"The model {model!r} does not exist. Available models: {known}.",
                 param="model",
                 code="model_not_found",
@@ -435,7 +438,7 @@ class Gateway:
                 code="shutting_down",
             )
         if caller.is_admin:
-            raise PermissionDeniedError(
+            raise ForbiddenError(
                 f"the admin key manages accounts and bills none: {verb} with an "
                 "account's API key (POST /admin/keys)"
             )

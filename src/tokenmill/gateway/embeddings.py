@@ -17,10 +17,11 @@ import asyncio
 import time
 
 from tokenmill.engines import EmbeddingRequest, Embeddings
-from tokenmill.errors import EngineError, TokenmillError
+from tokenmill.errors import EngineError, ServiceError
 from tokenmill.gateway.core import Gateway, RequestRecord
-from tokenmill.gateway.deployment import Deployment, Replica
+from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.records import finished
+from tokenmill.gateway.replicaset import Replica
 from tokenmill.gateway.reservation import Books
 from tokenmill.identity import ANONYMOUS, Caller
 from tokenmill.metering import HoldRequest, cost, discount_for
@@ -69,7 +70,7 @@ async def embed(
         record.finish_reason = "stop"
         record.ttft_s = time.monotonic() - record.started
         return result
-    except TokenmillError as e:
+    except ServiceError as e:
         record.status = "error"
         record.error_code = e.code
         raise

@@ -17,20 +17,31 @@ refuses the state (no room, another model), an error or a move slower than its
 budget (the time computing the moved tokens would take) leaves the target to compute
 the prompt, as without a move. The measured seconds a moved token costs feed the
 next decisions (:attr:`~tokenmill.gateway.routing.ReplicaView.move_s`).
+
+:meth:`KvMoves.fetch` carries out routing's decision for a request;
+:meth:`KvMoves.hand_off` moves what a replica that is about to stop holds to those
+that stay (autoscaling down: :meth:`~tokenmill.gateway.replicaset.ReplicaSet.remove`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tokenmill import stages
+from tokenmill.gateway.prefix import PrefixIndex
+from tokenmill.gateway.replicaset import Replica
+from tokenmill.gateway.routing import Decision
+from tokenmill.gateway.routing.cache_aware import MOVE_MIN_TOKENS, PREFILL_S
+from tokenmill.kvblocks import chain
 from tokenmill.replicas import ReplicaHost
 
-__all__ = ["MOVE_BUDGET_MIN_S", "KvMoves", "MoveOutcome"]
+__all__ = ["HAND_OFF_MAX", "MOVE_BUDGET_MIN_S", "KvMoves", "MoveOutcome"]
 
 log = logging.getLogger("tokenmill.gateway")
 
@@ -38,6 +49,8 @@ log = logging.getLogger("tokenmill.gateway")
 MOVE_BUDGET_MIN_S = 0.5
 # Weight of the newest move in the measured seconds a token (a moving average).
 ALPHA = 0.2
+# A replica that stops hands at most this many of its cached sequences to the others.
+HAND_OFF_MAX = 64
 
 # moved: the target holds the state; missing: the donor no longer held the prefix;
 # refused: the target did not take it; failed: an error or past the budget.
@@ -72,6 +85,7 @@ class KvMoves:
         ``min_tokens``) to ``target``, within ``budget_s`` (at least
         :data:`MOVE_BUDGET_MIN_S`)."""
         started = time.monotonic()
+        stages.mark("move_start", started)  # a request's (tokenmill.tracing: its span)
         outcome: MoveOutcome
         size = n = 0
         sender, taker = donor.kv_link(), target.kv_link()
@@ -107,7 +121,69 @@ class KvMoves:
             per_token = (time.monotonic() - started) / max(n, 1)
             last = self.move_s
             self.move_s = per_token if last is None else last + ALPHA * (per_token - last)
+        stages.mark("move_end")
         return outcome
+
+    async def fetch(
+        self,
+        decision: Decision,
+        donor: Replica,
+        target: Replica,
+        prompt: Sequence[int],
+        prefixes: PrefixIndex,
+    ) -> Decision:
+        """Carry out ``decision``'s move of ``prompt``'s cached state from ``donor`` to
+        ``target``, the request's replica, before it is dispatched; the decision as it
+        turned out (``moved``). Worth waiting for no longer than computing what it
+        brings would take."""
+        gain = decision.cached_tokens - prefixes.cached_tokens(chain(prompt)).get(target.index, 0)
+        budget = gain * (target.speed.prefill_s or PREFILL_S)
+        outcome = await self.move(
+            donor.host, target.host, prompt, min_tokens=MOVE_MIN_TOKENS, budget_s=budget
+        )
+        return dataclasses.replace(decision, moved=outcome)
+
+    async def hand_off(
+        self,
+        donor: Replica,
+        staying: Sequence[Replica],
+        prefixes: PrefixIndex,
+        budget_s: float,
+    ) -> int:
+        """Move the sequences ``donor`` holds to the replicas that stay, before it
+        stops: most recently used first, each to the one of ``staying`` that holds the
+        least, for up to ``budget_s``. The number moved; none where the engines cannot
+        move state."""
+        staying = [r for r in staying if r.movable()]
+        if not (staying and donor.movable()):
+            return 0
+        deadline = time.monotonic() + budget_s
+        name = f"{donor.deployment_id}/{donor.index}"
+        try:
+            held = await donor.host.held_kv(MOVE_MIN_TOKENS)
+        except Exception as e:  # it stops anyway: what it held is computed again
+            log.warning("replica %s listed no KV state to hand off: %s", name, e)
+            return 0
+        moved = 0
+        for tokens in held[:HAND_OFF_MAX]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            target = min(staying, key=lambda r: (prefixes.blocks(r.index), r.index))
+            outcome = await self.move(
+                donor.host, target.host, tokens, min_tokens=len(tokens), budget_s=left
+            )
+            if outcome == "moved":
+                moved += 1
+                self.handed_off += 1
+        if held:
+            log.info(
+                "replica %s handed %d of its %d cached sequence(s) to the replicas that stay",
+                name,
+                moved,
+                len(held),
+            )
+        return moved
 
     def describe(self) -> dict[str, object]:
         return {

@@ -35,8 +35,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from tokenmill.gateway.autoscale import LoadSample, ScalePolicy, ScaleTargets
-from tokenmill.gateway.scaling import unix_events
+from tokenmill.gateway.autoscale import LoadSample, ScalePolicy, ScaleTargets, unix_events
 from tokenmill.replicas.pool import POOL_NAMESPACE, actor_name, scaler_name
 from tokenmill.replicas.rayactor import acquire_ray, release_ray
 
@@ -76,7 +75,7 @@ class PoolScalerActor:
         if desired != before:
             log.info("pool %s: %d -> %d replicas (ongoing %.2f)", self.pool, before, desired, total)
         self._stop_unused(desired)
-        return desired, unix_events(self.policy.events[-16:])
+        return desired, unix_events(self.policy.events[-16:], time.time(), now)
 
     def _stop_unused(self, desired: int) -> None:
         self.stopped = {i for i in self.stopped if i >= desired}  # wanted again

@@ -26,8 +26,9 @@ from typing import TypeVar
 from tokenmill.config import Price
 from tokenmill.engines import GenerationRequest, PromptInfo
 from tokenmill.errors import ContextLengthError, InvalidRequestError
-from tokenmill.gateway.deployment import Deployment, Replica
+from tokenmill.gateway.deployment import Deployment
 from tokenmill.gateway.records import RequestRecord
+from tokenmill.gateway.replicaset import Replica
 from tokenmill.gateway.routing import RouteQuery
 from tokenmill.metering import HoldRequest, Meter, Progress, Settlement, cost, discount_for
 from tokenmill.replicas import ReplicaHost

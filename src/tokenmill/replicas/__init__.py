@@ -1,7 +1,7 @@
 """Replica hosting: where a deployment's engines run, and how the gateway reaches them.
 
 A layer between the gateway's request path and the engines. The gateway
-(:mod:`tokenmill.gateway.deployment`) drives every replica through one interface,
+(:mod:`tokenmill.gateway.replicaset`) drives every replica through one interface,
 :class:`~tokenmill.replicas.host.ReplicaHost`, and builds them with
 :func:`~tokenmill.replicas.placement.build_host`; this package imports the engines
 and never the gateway or the server.

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from tokenmill import stages
+from tokenmill import otel, stages
 from tokenmill.engines import (
     ChunkStream,
     EmbeddingInfo,
@@ -37,7 +37,7 @@ from tokenmill.engines import (
     TokenizeRequest,
     TokenizerInfo,
 )
-from tokenmill.errors import EngineError, ReplicaFullError, TokenmillError
+from tokenmill.errors import EngineError, ReplicaFullError, ServiceError
 from tokenmill.kvblocks import CacheEvent
 from tokenmill.replicas.host import KvLink, ReplicaLocation
 from tokenmill.replicas.wire import (
@@ -188,7 +188,7 @@ class ReplicaClient:
         except Exception:
             log.exception("reading from %s failed", self.channel.name)
 
-    def _end(self, rid: str, err: TokenmillError) -> None:
+    def _end(self, rid: str, err: ServiceError) -> None:
         """End the call or stream of id ``rid`` with ``err``."""
         call = self._calls.pop(rid, None)
         if call is not None and not call.done():
@@ -197,7 +197,7 @@ class ReplicaClient:
         if stream is not None:
             stream.put(err)
 
-    def fail(self, err: TokenmillError) -> None:
+    def fail(self, err: ServiceError) -> None:
         """The replica is gone (or being let go): nothing it had will ever answer, so
         every open stream and call ends with ``err``."""
         self.lost = True
@@ -269,7 +269,7 @@ class ReplicaClient:
         """The replica's KV state of the longest prefix of ``tokens`` it holds (at
         least ``min_tokens``), carried raw after the answer's JSON."""
         message = {"op": "kv_export", "tokens": list(tokens), "min": min_tokens}
-        answer = await self._call(self._next_id(), message)
+        answer = await self._call(self._next_id(), traced(message))
         if not answer.get("found"):
             return None
         held = tuple(int(t) for t in answer["tokens"])
@@ -277,7 +277,7 @@ class ReplicaClient:
 
     async def import_kv(self, state: KvState) -> bool:
         message = {"op": "kv_import", "tokens": list(state.tokens), "fp": state.fingerprint}
-        answer = await self._call(self._next_id(), {**message, "blob": state.state})
+        answer = await self._call(self._next_id(), traced({**message, "blob": state.state}))
         return bool(answer.get("ok"))
 
     async def held_kv(self, min_tokens: int) -> list[tuple[int, ...]]:
@@ -302,8 +302,13 @@ class ReplicaClient:
         stream = ChunkStream(rid, self.cancel)
         self._streams[rid] = stream
         self._reserved.discard(rid)
+        frame = {"op": "generate", "req": encode_request(request)}
+        # With tracing on, the replica's spans join the request's trace (replicas.spans);
+        # a pool's replica writes none, and the gateway writes its stages from its marks.
+        if not self.shared and (parent := otel.traceparent(handed=True)) is not None:
+            frame["traceparent"] = parent
         try:
-            self.send({"op": "generate", "req": encode_request(request)})
+            self.send(frame)
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -319,6 +324,13 @@ class ReplicaClient:
         # If the replica is gone, fail() ends the stream instead.
         with contextlib.suppress(EngineError):
             self.send({"op": "abort", "id": request_id})
+
+
+def traced(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with the current request's ``traceparent`` when tracing carries one:
+    the replica's span of it joins the request's trace (:mod:`tokenmill.replicas.spans`)."""
+    parent = otel.traceparent()
+    return message if parent is None else {**message, "traceparent": parent}
 
 
 __all__ = ["Channel", "ReplicaClient"]

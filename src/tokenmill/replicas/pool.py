@@ -84,6 +84,9 @@ GATEWAY_KEYS = frozenset(
         "replicas",
         "health_check_interval_s",
         "health_check_timeout_s",
+        # Where this gateway would cache converted weights: the pool's replicas use
+        # the cache of the gateway that started them.
+        "weights_dir",
     }
 )
 # A ticket not used for a connection within this long is void.

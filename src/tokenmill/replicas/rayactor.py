@@ -60,7 +60,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from tokenmill import stages
+from tokenmill import otel, stages
 from tokenmill.config import ReplicatedDeployment
 from tokenmill.engines import Engine, KvMoving, KvState
 from tokenmill.errors import EngineError
@@ -418,6 +418,10 @@ class RayLauncher:
             "max_restarts": 0,  # the gateway restarts it (SupervisedHost)
             "max_task_retries": 0,
         }
+        if otel.traces_enabled():
+            # Its spans join the gateway's traces, exported as the gateway's are: the
+            # actor runs wherever Ray puts it, with the gateway's OTEL_* variables.
+            self.options["runtime_env"] = {"env_vars": otel.passed_on()}
         self._connected = False
 
     async def launch(self) -> RayChannel:

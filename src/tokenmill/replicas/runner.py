@@ -54,6 +54,7 @@ from tokenmill.engines import (
     cannot_embed,
 )
 from tokenmill.errors import InvalidRequestError
+from tokenmill.replicas.spans import traced
 from tokenmill.replicas.wire import (
     chunk_row,
     decode_embedding,
@@ -165,6 +166,7 @@ def engine_status(engine: Engine) -> dict[str, Any]:
         # The KV pool and host-memory tier (llama.cpp), for the deployment's describe.
         "kv": h.kv,
         "moves_kv": h.moves_kv,
+        "weights": h.weights,
     }
 
 
@@ -434,15 +436,15 @@ async def serve_stream(
     """A replica over a stream socket, closed when it ends: frames read by ``reader``,
     written by a :class:`FrameWriter` on the same socket (from the decode thread too).
     A replica process's inherited socket, or a Ray actor's TCP connection to its
-    gateway (:mod:`tokenmill.replicas.rayactor`)."""
+    gateway (:mod:`tokenmill.replicas.rayactor`). With tracing on, its own spans of
+    the requests are exported (:mod:`tokenmill.replicas.spans`)."""
 
     async def receive() -> dict[str, Any] | None:
         return await read_frame(reader)
 
     try:
-        return await serve(
-            receive, FrameWriter(writer.get_extra_info("socket")), section, on_engine
-        )
+        with traced(receive, FrameWriter(writer.get_extra_info("socket"))) as (inbox, frames):
+            return await serve(inbox, frames, section, on_engine)
     finally:
         with contextlib.suppress(Exception):
             writer.close()

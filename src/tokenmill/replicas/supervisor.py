@@ -161,6 +161,7 @@ class SupervisedHost:
             detail={"restarts": self._restarts},
             kv={str(k): int(v) for k, v in (s.get("kv") or {}).items()},
             moves_kv=bool(s.get("moves_kv")),
+            weights={str(k): str(v) for k, v in (s.get("weights") or {}).items()},
         )
 
     # -- lifecycle ------------------------------------------------------------------

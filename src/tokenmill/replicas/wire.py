@@ -48,7 +48,7 @@ from tokenmill.engines import (
     TopLogprob,
     Usage,
 )
-from tokenmill.errors import EngineError, TokenmillError
+from tokenmill.errors import EngineError, ServiceError
 from tokenmill.kvblocks import BlockSnapshot, BlockUpdate, CacheEvent
 
 HEADER = struct.Struct(">I")
@@ -260,7 +260,7 @@ def decode_logprobs(rows: list[Any] | None) -> tuple[TokenLogprob, ...]:
 
 
 def encode_error(e: BaseException) -> dict[str, Any]:
-    if isinstance(e, TokenmillError):
+    if isinstance(e, ServiceError):
         out: dict[str, Any] = {
             "type": type(e).__name__,
             "message": e.message,
@@ -274,9 +274,9 @@ def encode_error(e: BaseException) -> dict[str, Any]:
     return {"type": "EngineError", "message": f"the replica failed: {type(e).__name__}: {e}"}
 
 
-def decode_error(d: dict[str, Any]) -> TokenmillError:
+def decode_error(d: dict[str, Any]) -> ServiceError:
     cls = getattr(errors, str(d.get("type")), None)
-    if not (isinstance(cls, type) and issubclass(cls, TokenmillError)):
+    if not (isinstance(cls, type) and issubclass(cls, ServiceError)):
         cls = EngineError
     message = str(d.get("message", "the replica failed"))
     if cls is errors.OverloadedError:

@@ -4,9 +4,11 @@ A policy is handed an immutable picture of a deployment's replicas at the moment
 request is routed (:class:`ReplicaView`: serving or not, slots, requests in flight,
 how much of this prompt each has cached, measured speeds) and the request
 (:class:`RouteQuery`), and returns a :class:`Decision`. It never does I/O, never
-awaits, never reads a clock and never touches a replica: the deployment
-(:mod:`tokenmill.gateway.deployment`) builds the picture, counts the decision and
-carries it out. That is what lets each policy be tested on synthetic states.
+awaits, never reads a clock, never touches a replica and keeps nothing between calls:
+the deployment (:mod:`tokenmill.gateway.deployment`) builds the picture, counts the
+decision and carries it out, and remembers what a later request needs of it (a
+session's replica, round robin's turn: :mod:`.history`), which the query carries. That
+is what lets each policy be tested on synthetic states, one call at a time.
 
 Policies, one module each, chosen per deployment by ``routing`` (see :func:`policy`):
 
@@ -80,6 +82,11 @@ class RouteQuery:
     max_tokens: int = 0  # the most tokens a choice may generate (0: not given)
     # The ``user`` field or ``x-session-id`` header: an affinity hint.
     session: str | None = None
+    # What the caller remembers (.history.RouteHistory.recall): the replica this
+    # session was routed to last (None: none, or no session), and the replica any
+    # request was routed to last (-1: none yet).
+    session_home: int | None = None
+    last_index: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +111,7 @@ class Decision:
 
 
 class RoutingPolicy(Protocol):
-    """Chooses a replica; may keep small state of its own (a turn, sessions)."""
+    """Chooses a replica: a pure function of the replicas and the query."""
 
     name: RoutingName
 

@@ -71,7 +71,8 @@ Two exceptions, in this order:
 * **Session affinity when no cache is known**: when no candidate holds any block of
   the prompt (a short prompt, replicas that publish no cache) and the request names a
   session (``user`` or ``x-session-id``), the replica that served the session last is
-  taken if it is a candidate and not badly imbalanced (``reason = "affinity"``).
+  taken if it is a candidate and not badly imbalanced (``reason = "affinity"``). The
+  caller remembers which that was (``RouteQuery.session_home``, :mod:`.history`).
 
 Otherwise the reason is ``cache`` when the chosen replica holds some of the prompt,
 ``load`` when none does. The decision's ``score_s`` is the chosen replica's score.
@@ -79,7 +80,6 @@ Otherwise the reason is ``cache`` when the chosen replica holds some of the prom
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -117,9 +117,6 @@ HORIZON = 64
 # flight than the least loaded candidate (4 of 16 slots at 0.25 would be too eager:
 # a multi-turn chat's replica often runs several of its conversations at once).
 IMBALANCE = 0.5
-# Sessions remembered for affinity, the least recently routed forgotten first (an
-# entry is ~150 bytes: 10k sessions cost ~1.5 MB a deployment).
-SESSIONS_KEPT = 10_000
 
 
 # What a cached token costs before the rest of the prompt is computed, by its tier.
@@ -128,9 +125,6 @@ _LOAD_S = {"slot": 0.0, "host": RESTORE_S, "disk": READ_S}
 
 class CacheAware:
     name: RoutingName = "cache_aware"
-
-    def __init__(self) -> None:
-        self._sessions: OrderedDict[str, int] = OrderedDict()
 
     def choose(self, replicas: Sequence[ReplicaView], query: RouteQuery) -> Decision:
         pool = candidates(replicas, query.weight)
@@ -179,16 +173,10 @@ class CacheAware:
         reason: Reason = "cache" if options[best.index].cached_tokens else "load"
         if _imbalanced(best, least):
             best, reason = least, "imbalance"
-        elif not any(r.cached_tokens for r in pool) and query.session is not None:
-            known = self._sessions.get(query.session)
-            held = next((r for r in pool if r.index == known), None)
+        elif not any(r.cached_tokens for r in pool) and query.session_home is not None:
+            held = next((r for r in pool if r.index == query.session_home), None)
             if held is not None and not _imbalanced(held, least):
                 best, reason = held, "affinity"
-        if query.session is not None:
-            self._sessions[query.session] = best.index
-            self._sessions.move_to_end(query.session)
-            if len(self._sessions) > SESSIONS_KEPT:
-                self._sessions.popitem(last=False)
         chosen = options[best.index]
         return Decision(
             best.index,

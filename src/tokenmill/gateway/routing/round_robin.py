@@ -1,5 +1,6 @@
 """``round_robin``: each serving replica in turn (those with room for the request,
-when any has), whatever their caches, loads and speeds."""
+when any has), whatever their caches, loads and speeds. The turn is the caller's to
+remember (``RouteQuery.last_index``, :mod:`.history`)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,9 @@ from tokenmill.gateway.routing import (
 class RoundRobin:
     name: RoutingName = "round_robin"
 
-    def __init__(self) -> None:
-        self._last = -1  # the index chosen last
-
     def choose(self, replicas: Sequence[ReplicaView], query: RouteQuery) -> Decision:
         pool = candidates(replicas, query.weight)
         # The first candidate after the last chosen index, wrapping round.
-        after = [r for r in pool if r.index > self._last]
+        after = [r for r in pool if r.index > query.last_index]
         best = min(after or pool, key=lambda r: r.index)
-        self._last = best.index
         return Decision(best.index, "round_robin", best.cached_tokens, tier=best.cached_tier)
