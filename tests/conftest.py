@@ -95,6 +95,7 @@ def launch(
     wait: bool = True,
 ) -> ServerProcess:
     tmp.mkdir(parents=True, exist_ok=True)
+    seed_weights(tmp / "data")
     port = free_port()
     cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", str(port)]
     cmd += ["--data-dir", str(tmp / "data")]
@@ -118,10 +119,58 @@ def launch(
     return server
 
 
+# The embedded model converted as a server serves it by default (weights = "q8_0"),
+# once a session, and hard-linked into every server's data dir: each would otherwise
+# convert it at start (seconds) and leave 145 MB in its test's temp dir. The cache
+# only ever replaces a file by renaming, never writes into one, so the links stay
+# whole; a test that spoils a cached file makes its own (tests/engines/test_weights.py).
+_weights_cache: list[Path] = []
+_CONVERT = """
+import sys
+from pathlib import Path
+from tokenmill.engines.embedded import embedded_model_path
+from tokenmill.engines.llamacpp.weights import EMBEDDED_DEFAULT, cached_conversion
+cached_conversion(embedded_model_path(), EMBEDDED_DEFAULT, Path(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _weights_seed(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _weights_cache.append(tmp_path_factory.mktemp("weights"))
+
+
+def seed_weights(data_dir: Path) -> None:
+    """Put the session's converted embedded model in ``data_dir``'s weights cache."""
+    if not _weights_cache:
+        return
+    cache = _weights_cache[-1]
+    if not any(cache.glob("*.gguf")):
+        # In a process of its own: a test that only speaks HTTP never loads llama.cpp.
+        subprocess.run([sys.executable, "-c", _CONVERT, str(cache)], check=True)
+    target = data_dir / "weights"
+    target.mkdir(parents=True, exist_ok=True)
+    for made in cache.iterdir():
+        if made.suffix in (".gguf", ".json") and not (target / made.name).exists():
+            os.link(made, target / made.name)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The default gateway: the embedded model, no config, auth off."""
     srv = launch(tmp_path_factory.mktemp("server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def stable_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The embedded model with a KV stream a slot (``--kv-layout per_slot``), for the
+    tests that compare two greedy answers token for token (streamed against whole,
+    batched against alone): what that layout promises. In the shared pool (the
+    default) a repeat read after cached cells, or a prompt read in pieces of another
+    size, differs in the last digits and may part at a near tie, as in llama-server
+    (docs/exactness.md); tests/engines/test_kv_oracle.py bounds that noise."""
+    srv = launch(tmp_path_factory.mktemp("stable"), args=["--kv-layout", "per_slot"])
     yield srv
     srv.stop()
 

@@ -460,3 +460,126 @@ def test_speculative_runs_in_a_plain_make_bench_and_marks_the_issue_targets() ->
     # 70 tok/s: 1.4x without drafts and 1.17x llama's best; chat at c=16 0.8x; texts differ.
     assert len(missed) == 3, got["not_met"]
     assert "drafted 10, kept 8 (0.80)" in got["met"]
+
+
+def test_weights_runs_in_a_plain_make_bench_and_marks_the_issue_targets() -> None:
+    got = bench_python(
+        """
+        import json
+        from run import chosen, parser
+        from scenarios.weights import SCENARIO
+
+        def names(*argv):
+            scenarios, out = chosen(parser().parse_args(list(argv)))
+            return [s.name for s in scenarios], out
+
+        def table(prefill, decode):
+            medians = {
+                "tokenmill-q4_1": {"prefill": 100.0, "decode": 50.0},
+                "tokenmill-q8_0": {"prefill": 100.0 * prefill, "decode": 50.0 * decode},
+            }
+            w = {"reps": 1, "medians": medians,
+                 "ratios": {"prefill": prefill, "decode": decode}}
+            return SCENARIO.table({"weights": w, "model_file": "m.gguf", "threads": 2,
+                                   "max_tokens": 32, "lockstep": False})
+
+        print(json.dumps({
+            "plain": names(),
+            "only": names("--only-weights"),
+            "met": table(1.9, 1.5),
+            "not_met": table(1.33, 1.37),
+        }))
+        """
+    )
+    assert "weights" in got["plain"][0]
+    assert got["only"] == [["weights"], "weights.json"]
+    assert "PASS prefill Q8_0/Q4_1 1.90x" in got["met"] and "PASS decode" in got["met"]
+    assert "190.0" in got["met"] and "75.0" in got["met"]
+    assert "MISS prefill Q8_0/Q4_1 1.33x (>= 1.8x)" in got["not_met"]
+    assert "MISS decode Q8_0/Q4_1 1.37x (>= 1.4x)" in got["not_met"]
+
+
+def test_kvdrift_runs_in_a_plain_make_bench_and_judges_changes_drift_and_ends() -> None:
+    got = bench_python(
+        """
+        import json
+        from run import chosen, parser
+        from scenarios.kvdrift import PROBES, SCENARIO, judge
+
+        def names(*argv):
+            scenarios, out = chosen(parser().parse_args(list(argv)))
+            return [s.name for s in scenarios], out
+
+        def first(token, logprob, runner_up):
+            return {"token": token, "logprob": logprob,
+                    "top": [(token, logprob), ("other", runner_up)]}
+
+        before = [first("A", -0.04, -4.2) for _ in PROBES]
+        after = [first("A", -0.10, -4.0) for _ in PROBES]
+        after[1] = first("The", -0.6, -1.3)  # a clear lead lost: changed
+        after[2] = {"token": "A", "logprob": -0.3, "top": [("A", -0.3)]}  # drift 0.26
+        raw = {"before": before, "after": after,
+               "ended_at_once": [PROBES[0], PROBES[1], PROBES[1]]}
+        eos = {PROBES[0]: -2.0, PROBES[1]: -15.0}  # alone: 0.14 and ~0
+        judged = judge(raw, eos)
+        kept = judge({"before": before, "after": before, "ended_at_once": []}, eos)
+        results = {"kvdrift": {"tokenmill-shared": {**raw, **judged},
+                               "tokenmill-per-slot": {**raw, **kept},
+                               "llama-server": {**raw, **kept}}}
+        print(json.dumps({
+            "plain": names(),
+            "only": names("--only-kvdrift"),
+            "judged": judged,
+            "table": SCENARIO.table(results),
+        }))
+        """
+    )
+    assert "kvdrift" in got["plain"][0]
+    assert got["only"] == [["kvdrift"], "kvdrift.json"]
+    judged = got["judged"]
+    assert len(judged["changed"]) == 1 and "'A' -0.040 -> 'The'" in judged["changed"][0]
+    assert judged["max_drift"] == 0.26
+    assert judged["ended_at_once"] == 3 and judged["ended_wrongly"] == 2
+    assert "MISS tokenmill-shared" in got["table"] and "PASS tokenmill-per-slot" in got["table"]
+
+
+def test_tracing_runs_in_a_plain_make_bench_and_marks_the_issue_target() -> None:
+    got = bench_python(
+        """
+        import json
+        import httpx
+        from run import chosen, parser
+        from scenarios.tracing import SCENARIO, Sink, off_path_ns
+
+        def names(*argv):
+            scenarios, out = chosen(parser().parse_args(list(argv)))
+            return [s.name for s in scenarios], out
+
+        def table(on):
+            t = {"reps": 1, "medians": {"off": 100.0, "on": on}, "ratio": on / 100.0,
+                 "cpu_medians": {"off": 10.0, "on": 10.5}, "off_path_ns": 40.0,
+                 "exports": {"/v1/traces": 3, "/v1/metrics": 1}, "export_bytes": 5000}
+            return SCENARIO.table({"tracing": t, "model_file": "m.gguf", "threads": 2,
+                                   "max_tokens": 32, "lockstep": False})
+
+        # The sink answers an export as a collector does, and counts it.
+        sink = Sink()
+        answer = httpx.post(f"{sink.endpoint}/v1/traces", content=b"x" * 10,
+                            headers={"content-type": "application/x-protobuf"})
+        sink.close()
+        print(json.dumps({
+            "plain": names(),
+            "only": names("--only-tracing"),
+            "met": table(98.0),
+            "not_met": table(95.0),
+            "sink": [answer.status_code, sink.exports["/v1/traces"], sink.bytes],
+            "off_ns": off_path_ns(),
+        }))
+        """
+    )
+    assert "tracing" in got["plain"][0]
+    assert got["only"] == [["tracing"], "tracing.json"]
+    assert "PASS on/off tok/s at c=16 0.980x (>= 0.97x)" in got["met"]
+    assert "MISS on/off tok/s at c=16 0.950x (>= 0.97x)" in got["not_met"]
+    assert got["sink"] == [200, 1, 10]
+    assert got["off_ns"] > 0

@@ -298,6 +298,19 @@ def test_cli_model_flag_builds_a_llamacpp_section(
     assert dep.id == "tiny" and dep.model == model and dep.placement == "process"
 
 
+def test_the_kv_layout_is_shared_at_the_models_context_unless_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean_environment(monkeypatch)
+    (dep,) = settings_from_args(build_parser().parse_args(["serve"])).deployments
+    assert isinstance(dep, LlamaCppDeployment)
+    assert dep.kv_layout == "shared" and dep.n_ctx == 0 and dep.kv_pool_tokens is None
+    args = build_parser().parse_args(["serve", "--kv-layout", "per_slot", "--n-ctx", "4096"])
+    (dep,) = settings_from_args(args).deployments
+    assert isinstance(dep, LlamaCppDeployment)
+    assert dep.kv_layout == "per_slot" and dep.n_ctx == 4096
+
+
 # -- error messages ----------------------------------------------------------------------
 
 
@@ -439,8 +452,21 @@ def test_another_engines_key_is_named(tmp_path: Path, keys: str, expect: str) ->
             "deployments.0.tokenizer: tokenizer file not found",
         ),
         ('[[deployments]]\nid = "a"', "duplicate deployment id 'a'"),
+        (
+            'kv_layout = "per_slot"\nkv_pool_tokens = 4096',
+            "kv_pool_tokens sizes the shared pool; with kv_layout = 'per_slot'",
+        ),
+        ('kv_layout = "paged"', "deployments.0.kv_layout: Input should be 'shared' or 'per_slot'"),
     ],
-    ids=["no-control", "no-url", "bad-url", "missing-tokenizer", "duplicate-id"],
+    ids=[
+        "no-control",
+        "no-url",
+        "bad-url",
+        "missing-tokenizer",
+        "duplicate-id",
+        "pool-per-slot",
+        "bad-layout",
+    ],
 )
 def test_engine_specific_errors(tmp_path: Path, keys: str, expect: str) -> None:
     assert expect in config_error(tmp_path, one(keys))

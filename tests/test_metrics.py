@@ -207,7 +207,7 @@ def test_token_counts_are_exact(server: ServerProcess, http: httpx.Client) -> No
 
 def test_refused_requests_are_counted_by_code(http: httpx.Client) -> None:
     before = scrape(http)
-    r = http.post(COMPLETIONS, json={"prompt": "word " * 3000, "max_tokens": 5})
+    r = http.post(COMPLETIONS, json={"prompt": "word " * 9000, "max_tokens": 5})
     assert r.status_code == 400
     after = scrape(http)
     name = "tokenmill_request_errors_total"

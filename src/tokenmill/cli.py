@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,10 +33,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "ray_address": getattr(args, "ray_address", None),
     }
     settings = load_settings(args.config, overrides)
-    # The one model's KV knobs (--n-ctx, --max-num-seqs, --kv-host-bytes, --kv-disk-dir).
+    # The one model's KV knobs (--n-ctx, --max-num-seqs, --kv-layout, --kv-host-bytes,
+    # --kv-disk-dir).
     sizes = {
         key: value
-        for key in ("n_ctx", "max_num_seqs", "kv_host_bytes", "kv_disk_dir")
+        for key in ("n_ctx", "max_num_seqs", "kv_layout", "kv_host_bytes", "kv_disk_dir")
         if (value := getattr(args, key, None)) is not None
     }
     if args.model is not None:
@@ -47,8 +49,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         settings = settings.model_copy(update={"deployments": [dep]})
     elif sizes and settings.deployments:
         raise ConfigError(
-            "--n-ctx, --max-num-seqs, --kv-host-bytes and --kv-disk-dir size the one model "
-            "of the command line; with --config set them in its [[deployments]] tables"
+            "--n-ctx, --max-num-seqs, --kv-layout, --kv-host-bytes and --kv-disk-dir size "
+            "the one model of the command line; with --config set them in its "
+            "[[deployments]] tables"
         )
     settings = settings.with_default_deployment()
     if sizes:
@@ -92,7 +95,24 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     print(f"tokenmill serving on http://{settings.host}:{settings.port}", flush=True)
     serve(app, settings, app.state.gateway)
+    if "ray" in sys.modules:
+        _exit_past_ray()
     return 0
+
+
+def _exit_past_ray() -> None:
+    """Leave the process without the interpreter's teardown once the gateway has shut
+    down in order (streams drained, bills settled, the ledger closed, Ray released).
+
+    Ray's C++ core worker tears itself down in the interpreter's exit handlers, and
+    after Ray has marked a node dead under load that teardown has aborted the process
+    (SIGABRT, exit -6, on SIGTERM: issue 46), turning a clean shutdown into a crash
+    for whatever supervises the gateway. Nothing of tokenmill's is left to run there.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,10 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--n-ctx",
         type=int,
-        help="tokens one sequence may hold (default 2048; 0: the model's trained context, "
-        "its slots then sharing one KV pool)",
+        help="tokens one sequence may hold (default 0: the model's trained context; 2048 "
+        "a slot with --kv-layout per_slot)",
     )
     serve.add_argument("--max-num-seqs", type=int, help="sequences a replica runs at once (16)")
+    serve.add_argument(
+        "--kv-layout",
+        choices=["shared", "per_slot"],
+        help="shared: the slots draw on one KV pool (default); per_slot: a KV stream a "
+        "slot, greedy answers the same alone or batched",
+    )
     serve.add_argument(
         "--kv-host-bytes",
         type=int,
@@ -128,9 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--kv-disk-dir",
-        type=Path,
         help="a directory where parked KV sequences are also written, so that a replica "
-        "restarted or killed finds them again (default: none)",
+        'restarted or killed finds them again (default: <data dir>/kv/<model>; "": none)',
     )
     serve.add_argument("--log-level", default=None, help="debug, info, warning")
     serve.add_argument(
@@ -157,12 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extensions() -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]:
-    """Subcommands defined next to the code they drive (client, ledger, pools, bench)."""
+    """Subcommands defined next to the code they drive (client, ledger, pools, convert,
+    bench)."""
     found = []
     for module_name in (
         "tokenmill.client.cli",
         "tokenmill.ledger.cli",
         "tokenmill.replicas.pool_cli",
+        "tokenmill.engines.llamacpp.convert",
         "tokenmill.bench",
     ):
         try:

@@ -1,12 +1,12 @@
-"""tokenmill's exceptions, raised by every layer and mapped once to HTTP by the server.
+"""The server's exceptions, raised by every layer and mapped once to HTTP by the server.
 
-    TokenmillError                       500 server_error
+    ServiceError                         500 server_error
     ├── InvalidRequestError              400 invalid_request_error
     │   └── ContextLengthError           400 (code context_length_exceeded)
-    ├── AuthenticationError              401
-    ├── InsufficientCreditError          402
-    ├── PermissionDeniedError            403
-    ├── NotFoundError                    404 (code model_not_found, ...)
+    ├── UnauthenticatedError             401 (no API key, or not a live one)
+    ├── PaymentRequiredError             402 (the credit does not cover the request)
+    ├── ForbiddenError                   403
+    ├── ResourceNotFoundError            404 (code model_not_found, ...)
     ├── PayloadTooLargeError             413
     ├── ClientGoneError                  499 (the client left mid-request: nobody reads it)
     ├── OverloadedError                  429 (carries retry_after seconds)
@@ -18,6 +18,10 @@
 Messages are written for the caller: they say what was wrong and what to change.
 This module imports nothing from the web framework; ``to_openai_body`` builds the
 ``{"error": {"message", "type", "param", "code"}}`` body.
+
+The client's exceptions (:mod:`tokenmill.client.errors`, exported as ``tokenmill.*``)
+are another tree, what a caller of the HTTP API catches: no name is in both, so
+``tokenmill.errors.X`` and ``tokenmill.X`` never mean two things.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 
-class TokenmillError(Exception):
+class ServiceError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     default_code: ClassVar[str | None] = None
@@ -50,7 +54,7 @@ class TokenmillError(Exception):
         return {}
 
 
-class InvalidRequestError(TokenmillError):
+class InvalidRequestError(ServiceError):
     status = 400
     type = "invalid_request_error"
 
@@ -59,37 +63,37 @@ class ContextLengthError(InvalidRequestError):
     default_code = "context_length_exceeded"
 
 
-class AuthenticationError(TokenmillError):
+class UnauthenticatedError(ServiceError):
     status = 401
     type = "authentication_error"
     default_code = "invalid_api_key"
 
 
-class InsufficientCreditError(TokenmillError):
+class PaymentRequiredError(ServiceError):
     status = 402
     type = "insufficient_quota"
     default_code = "insufficient_credit"
 
 
-class PermissionDeniedError(TokenmillError):
+class ForbiddenError(ServiceError):
     status = 403
     type = "permission_error"
     default_code = "forbidden"
 
 
-class NotFoundError(TokenmillError):
+class ResourceNotFoundError(ServiceError):
     status = 404
     type = "invalid_request_error"
     default_code = "not_found"
 
 
-class PayloadTooLargeError(TokenmillError):
+class PayloadTooLargeError(ServiceError):
     status = 413
     type = "invalid_request_error"
     default_code = "request_too_large"
 
 
-class ClientGoneError(TokenmillError):
+class ClientGoneError(ServiceError):
     """The client closed the connection (or was cut off) before its request was read."""
 
     status = 499
@@ -97,7 +101,7 @@ class ClientGoneError(TokenmillError):
     default_code = "client_closed_request"
 
 
-class OverloadedError(TokenmillError):
+class OverloadedError(ServiceError):
     status = 429
     type = "rate_limit_error"
     default_code = "overloaded"
@@ -125,13 +129,13 @@ class ReplicaFullError(OverloadedError):
     default_code = "replica_full"
 
 
-class EngineError(TokenmillError):
+class EngineError(ServiceError):
     status = 502
     type = "server_error"
     default_code = "engine_error"
 
 
-class UnavailableError(TokenmillError):
+class UnavailableError(ServiceError):
     status = 503
     type = "server_error"
     default_code = "unavailable"

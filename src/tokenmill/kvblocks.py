@@ -134,6 +134,16 @@ class SlotChains:
         tokens, names = self._tokens[slot], self._names[slot]
         if kept > len(tokens):
             raise ValueError(f"slot {slot} holds {len(tokens)} tokens, not {kept}")
+        if (
+            kept == len(tokens)
+            and kept % BLOCK_TOKENS + len(added) < BLOCK_TOKENS
+            and not disk
+            and slot not in self._disk
+        ):
+            # A decode inside a block (15 steps of 16): no name changes, nothing to hash
+            # or compare. This runs on the decode thread once a token.
+            tokens.extend(added)
+            return None
         del tokens[kept:]
         tokens.extend(added)
         if disk:

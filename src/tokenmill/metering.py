@@ -73,7 +73,7 @@ class Progress:
 
 class Meter(Protocol):
     async def hold(self, hold: HoldRequest) -> None:
-        """Reserve credit; raise InsufficientCreditError or OverloadedError (rate limit)."""
+        """Reserve credit; raise PaymentRequiredError or OverloadedError (rate limit)."""
 
     async def settle(self, hold: HoldRequest, settlement: Settlement) -> None:
         """Charge ``settlement.charged`` (<= the hold) and release the rest. Exactly once."""

@@ -19,7 +19,7 @@ in one process (tests, embedded use) never clash on the global registry.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -213,6 +213,8 @@ class GatewayMetrics:
             registry=r,
         )
         self.registry.register(_LoadCollector(gateway))
+        self._budgets = _BudgetCollector()
+        self.registry.register(self._budgets)
         self._bound: dict[str, _Bound] = {}
         # request id -> monotonic time of its previous text chunk (inter-token latency).
         self._last_chunk: dict[str, float] = {}
@@ -300,9 +302,58 @@ class GatewayMetrics:
 
     # -- exposition -------------------------------------------------------------------
 
-    def render(self) -> bytes:
-        """The registry in Prometheus text format."""
+    def render(self, budgets: Iterable[BudgetReading] = ()) -> bytes:
+        """The registry in Prometheus text format, with ``budgets`` (read from the
+        ledger for this scrape) as the budget gauges."""
+        self._budgets.readings = list(budgets)
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetReading:
+    """One budget window of a key or account as the ledger has it now."""
+
+    owner_type: str  # account or key
+    owner: str
+    duration: str
+    spent: int
+    remaining: int
+
+
+class _BudgetCollector(Collector):
+    """Spend budgets' windows (docs/metering.md#budgets): one series a window an admin
+    set, so as many as the budgets configured, whatever the traffic."""
+
+    def __init__(self) -> None:
+        self.readings: list[BudgetReading] = []
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        remaining, spent = self._families()
+        for b in self.readings:
+            labels = [b.owner_type, b.owner, b.duration]
+            remaining.add_metric(labels, b.remaining)
+            spent.add_metric(labels, b.spent)
+        yield remaining
+        yield spent
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        labels = ["owner_type", "owner", "duration"]
+        return (
+            GaugeMetricFamily(
+                "tokenmill_budget_remaining_micro_units",
+                "What a budget window has left to spend until it resets.",
+                labels=labels,
+            ),
+            GaugeMetricFamily(
+                "tokenmill_budget_spent_micro_units",
+                "What a budget window has charged, and holds for requests running.",
+                labels=labels,
+            ),
+        )
 
 
 class _LoadCollector(Collector):

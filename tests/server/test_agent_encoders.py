@@ -8,6 +8,7 @@ from typing import Any, get_args
 import anthropic.types
 import openai.types.responses
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
 from pydantic import BaseModel
 
 from tests.server.core_events import ARGS, CALL, CUT, NOTHING, TEXT, TEXT_THEN_CALL, USAGE
@@ -230,3 +231,67 @@ def test_messages_failure_mid_stream() -> None:
         "type": "error",
         "error": {"type": "api_error", "message": "the replica failed: OSError"},
     }
+
+
+# A tick: the stream was quiet a long while (a long prefill); the encoder's activity().
+TICK = None
+
+
+def with_activity(encoder: Any, events: list[Event | None]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = encoder.start()
+    for e in events:
+        out += encoder.activity() if e is None else encoder.feed(e)
+    return out
+
+
+@pytest.mark.parametrize("events", [TEXT, CALL, TEXT_THEN_CALL, CUT, NOTHING])
+def test_responses_activity_is_in_progress_again_and_changes_nothing(events: list[Event]) -> None:
+    _, plain = encode_response(events)
+    encoder = ResponseEncoder(response_skeleton())
+    out = with_activity(encoder, [TICK, TICK, events[0], TICK, *events[1:]])
+    for e in out:
+        check(OPENAI_EVENTS, e)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    assert [e["type"] for e in out[2:4]] == ["response.in_progress"] * 2
+    ids = {"id": None}  # item ids are new each time
+    assert [{**i, **ids} for i in encoder.response["output"]] == [
+        {**i, **ids} for i in plain["output"]
+    ]
+
+
+def accumulated(out: list[dict[str, Any]]) -> dict[str, Any]:
+    """The message the Anthropic SDK's own stream accumulator makes of ``out``."""
+    snapshot = None
+    bufs: dict[int, bytes] = {}
+    for e in out:
+        if e["type"] == "ping":
+            continue
+        event = ANTHROPIC_EVENTS[e["type"]].model_validate(e)
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)  # type: ignore[arg-type]
+    assert snapshot is not None
+    return snapshot.model_dump(exclude_none=True)
+
+
+def test_messages_activity_opens_a_text_block_that_the_answer_continues() -> None:
+    # Claude Code counts no ping: a long prefill sends an empty text block, then empty
+    # deltas; the answer's text goes on in that block.
+    encoder = MessageEncoder(message_skeleton())
+    out = with_activity(encoder, [TICK, TICK, TICK, *TEXT])
+    assert [e["type"] for e in out[2:5]] == ["content_block_start", *["content_block_delta"] * 2]
+    assert out[2]["content_block"] == {"type": "text", "text": ""}
+    assert encoder.message["content"] == [{"type": "text", "text": "Hello"}]
+    assert accumulated(out)["content"] == encoder.message["content"]
+
+
+def test_messages_activity_before_a_call_leaves_an_empty_text_block_first() -> None:
+    encoder = MessageEncoder(message_skeleton())
+    out = with_activity(encoder, [TICK, TICK, *CALL[:2], TICK, *CALL[2:]])
+    text, call = encoder.message["content"]
+    assert text == {"type": "text", "text": ""}
+    assert call["type"] == "tool_use" and call["input"] == PARIS
+    opened = [e["index"] for e in out if e["type"] == "content_block_start"]
+    closed = [e["index"] for e in out if e["type"] == "content_block_stop"]
+    assert opened == closed == [0, 1]
+    # Inside the call's block a tick adds nothing (the pings go on).
+    assert accumulated(out)["content"][1]["input"] == PARIS
+    anthropic.types.Message.model_validate(encoder.message)

@@ -25,6 +25,14 @@ from openai.types.responses import FunctionToolParam, ResponseFunctionToolCall
 from tests.conftest import ServerProcess
 from tests.driver import EngineDriver, scripted_deployment
 
+
+@pytest.fixture(scope="module")
+def server(stable_server: ServerProcess) -> ServerProcess:
+    """Streamed answers are compared with whole ones token for token:
+    the KV-stream-a-slot server (conftest.stable_server)."""
+    return stable_server
+
+
 MODEL = "smollm2"
 GREEDY = {"temperature": 0}
 WEATHER: FunctionToolParam = {

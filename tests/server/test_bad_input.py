@@ -80,7 +80,7 @@ def test_context_overflow_states_both_numbers(http: httpx.Client) -> None:
         http.post(COMPLETIONS, json={"prompt": "hello there", "max_tokens": 100_000}), 400
     )
     assert err["code"] == "context_length_exceeded"
-    assert "2048" in err["message"] and "100000" in err["message"].replace(",", "")
+    assert "8192" in err["message"] and "100000" in err["message"].replace(",", "")
     long_prompt = "word " * 9000
     err = assert_error(http.post(COMPLETIONS, json={"prompt": long_prompt, "max_tokens": 5}), 400)
     assert err["code"] == "context_length_exceeded"

@@ -41,6 +41,8 @@ CONFIG = f"""
 id = "smollm2"
 n_ctx = 1024
 n_threads = 1
+# Answers with less room are compared with the whole one token for token.
+kv_layout = "per_slot"
 
 [deployments.price]
 prompt_per_mtok = {PRICE.prompt_per_mtok}

@@ -41,12 +41,18 @@ JSON_REPAIR = (
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    table = "n_threads = 1\nmax_num_seqs = 1\nn_ctx = 1024\nkv_host_bytes = 0\n"
+    table = (
+        'n_threads = 1\nmax_num_seqs = 1\nn_ctx = 1024\nkv_host_bytes = 0\nkv_layout = "per_slot"\n'
+    )
+    # Every draft found is verified ("always"): whether drafting pays on this CPU's
+    # step costs is the rule's business (tests/engines/test_speculative.py), not this
+    # test's, which checks what drafts do to answers, bills and the cache.
     srv = launch(
         tmp_path_factory.mktemp("speculative"),
         config=(
             f'[[deployments]]\nid = "plain"\n{table}'
-            f'[[deployments]]\nid = "drafting"\nspeculative = "ngram"\n{table}'
+            f'[[deployments]]\nid = "drafting"\nspeculative = "ngram"\n'
+            f'speculative_rule = "always"\n{table}'
         ),
     )
     yield srv

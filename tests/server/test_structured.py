@@ -25,6 +25,14 @@ from tests.conftest import ServerProcess
 from tests.server.test_bad_input import assert_error
 from tests.sse import text, to_done
 
+
+@pytest.fixture(scope="module")
+def server(stable_server: ServerProcess) -> ServerProcess:
+    """Streams batched beside constrained ones are compared with their answers alone
+    token for token: the KV-stream-a-slot server (conftest.stable_server)."""
+    return stable_server
+
+
 SHORT = Field(max_length=24)
 
 

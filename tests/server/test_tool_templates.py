@@ -14,7 +14,6 @@ from tests.server.test_tools import (
     check_call,
     reassemble,
     stream,
-    without_ids,
 )
 
 # A chat template that knows tools (Hermes' markup, as Qwen's): SmolLM2's own with
@@ -76,8 +75,15 @@ def test_a_template_that_knows_tools_renders_them_and_its_markup_is_read(
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     for call in choice["message"]["tool_calls"]:
         check_call(call, tools)
+    # Streamed, the markup is read as it comes into calls of the same shape. Not
+    # compared token for token with the whole body: two greedy answers to this prompt
+    # part at a near tie even on a KV stream a slot ({"unit": "celsius"} or not, by
+    # where the cached prefix's cells sit), and the incremental reader is checked
+    # against the whole-text reference for every split (test_toolcalls.py).
     got = reassemble(stream(http, body))
-    assert without_ids(got["message"]) == without_ids(choice["message"])
+    assert got["finish_reason"] == "tool_calls" and got["message"]["content"] is None
+    for call in got["message"]["tool_calls"]:
+        check_call(call, tools)
     # The template wrote the tools into the prompt.
     bare = answer(http, {**body, "tools": None, "tool_choice": None, "max_tokens": 1})
     assert whole["usage"]["prompt_tokens"] > bare["usage"]["prompt_tokens"] + 50

@@ -17,6 +17,14 @@ from tokenmill.chat.tools import describe_tools
 from tokenmill.server.openai.replies import ChatCompletion, ChatCompletionChunk
 from tokenmill.server.openai.tools import Tool
 
+
+@pytest.fixture(scope="module")
+def server(stable_server: ServerProcess) -> ServerProcess:
+    """Streamed tool calls are compared with the whole body's token for token:
+    the KV-stream-a-slot server (conftest.stable_server)."""
+    return stable_server
+
+
 CHAT = "/v1/chat/completions"
 
 WEATHER: dict[str, Any] = {
@@ -96,6 +104,16 @@ def answer(http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
     data: dict[str, Any] = r.json()
     ChatCompletion.model_validate(data)  # the shape the OpenAPI document declares
     return data
+
+
+def warm(http: httpx.Client, body: dict[str, Any]) -> None:
+    """Read ``body``'s prompt once, so that the two answers compared after it both find
+    it cached and read only its last token. A prompt read whole and one found cached
+    differ in the last digits (a one-row step against a many-row one), in llama-server
+    as here, and greedy parts where two tokens nearly tie; where the cached cells sit
+    still moves the last digits (docs/exactness.md), so these comparisons keep to
+    prompts whose answers lead clearly."""
+    answer(http, {**body, "max_tokens": 1})
 
 
 def stream(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -187,12 +205,15 @@ def test_required_always_calls_with_valid_arguments(
         choice = answer(http, body)["choices"][0]
         calls = choice["message"]["tool_calls"]
         assert choice["message"]["content"] is None
-        if parallel and choice["finish_reason"] == "length":
-            # A small model may call on and on: max_tokens cuts the last call short.
+        assert calls
+        if choice["finish_reason"] == "length":
+            # A small model at temperature 1 may call on and on, or run one argument
+            # on (a run of 256 tokens inside one string was seen): max_tokens cuts the
+            # last call short, and the ones before it are whole.
             calls = calls[:-1]
         else:
             assert choice["finish_reason"] == "tool_calls", choice
-        assert calls and (parallel or len(calls) == 1)
+        assert parallel or len(calls) <= 1
         for call in calls:
             check_call(call, tools)
 
@@ -204,6 +225,7 @@ def test_streamed_call_reassembles_to_the_non_streamed_one(http: httpx.Client) -
         tool_choice="required",
         stream_options={"include_usage": True},
     )
+    warm(http, body)
     whole = answer(http, body)
     chunks = stream(http, body)
     got = reassemble(chunks)
@@ -360,6 +382,7 @@ def test_several_choices_each_call(http: httpx.Client) -> None:
 
 def test_predict_endpoints_call_tools(http: httpx.Client) -> None:
     body = ask("Weather in Berlin?", tools=[WEATHER], tool_choice="required")
+    warm(http, body)
     r = http.post("/v1/deployments/smollm2/predict", json=body)
     assert r.status_code == 200, r.text
     whole = r.json()["choices"][0]
@@ -451,6 +474,7 @@ upstream_model = "smollm2"
 """
     srv = start_server(config=config)
     body = ask("Convert 75 EUR to JPY.", tools=[CONVERT, WEATHER], tool_choice="required")
+    warm(http, body)
     direct = answer(http, body)["choices"][0]
     with httpx.Client(base_url=srv.url, timeout=120) as proxied:
         relayed = answer(proxied, {**body, "model": "proxied"})["choices"][0]

@@ -5,7 +5,9 @@ Interface changes since first published (the package's first commit): additions 
 ``Generation.tool_calls`` (whether the answer is read for calls),
 ``Generation.usage()``, :func:`count_prompt` (which counts a prompt longer than the
 context too), ``stop_sequence`` on :class:`ChoiceEnd` and :class:`ChoiceResult`, and
-``complete`` on :class:`ToolCallEnd` (false: the call was cut by ``max_tokens``).
+``complete`` on :class:`ToolCallEnd` (false: the call was cut by ``max_tokens``),
+``ChatRequest.session_lines`` and :func:`split_system` (a system prompt's per-session
+lines placed after what sessions share: :mod:`tokenmill.chat.layout`).
 
 Layering: this package sits under ``server/`` and over ``gateway/``. It imports no
 web framework and no ``tokenmill.server`` module; an API adapter imports it, never the
@@ -48,7 +50,7 @@ an async iterator of API-neutral events, every one naming its ``choice``:
 * :class:`Finished` with the request's :class:`~tokenmill.engines.base.Usage`, last.
 
 An error after the stream began (a replica crash, a shutdown) is raised out of the
-iterator as a :class:`~tokenmill.errors.TokenmillError`: the adapter encodes it as
+iterator as a :class:`~tokenmill.errors.ServiceError`: the adapter encodes it as
 its API's in-band error event. Or :meth:`Generation.collect`: the same, whole, as a
 :class:`Result` (one :class:`ChoiceResult` a choice, and the usage). Either way the
 adapter must see :meth:`Generation.aclose` called (the gateway's stream settles the
@@ -77,6 +79,7 @@ from tokenmill.chat.events import (
     ToolCallStart,
 )
 from tokenmill.chat.generation import Generation, count_prompt, open_generation
+from tokenmill.chat.layout import PromptOrder, SystemBlock, SystemSplit, split_system
 from tokenmill.chat.request import (
     ChatRequest,
     FunctionTool,
@@ -96,8 +99,11 @@ __all__ = [
     "FunctionTool",
     "Generation",
     "NamedTool",
+    "PromptOrder",
     "ResponseFormat",
     "Result",
+    "SystemBlock",
+    "SystemSplit",
     "TextDelta",
     "ToolCallArguments",
     "ToolCallEnd",
@@ -106,4 +112,5 @@ __all__ = [
     "Turn",
     "count_prompt",
     "open_generation",
+    "split_system",
 ]

@@ -204,6 +204,8 @@ async def _engine_request(
         chat = tuple(plain(m) for m in request.messages)
         if sampling.constraint is not None:
             chat = instruct(chat, sampling.constraint)
+    if chat is not None and request.session_lines:
+        chat = _with_session_lines(chat, request.session_lines)
     engine_request = GenerationRequest(
         request_id=request_id,
         sampling=sampling,
@@ -216,3 +218,12 @@ async def _engine_request(
         tools=None if plan is None else plan.spec,
     )
     return engine_request, "text" if plan is None else plan.output
+
+
+def _with_session_lines(chat: tuple[ChatMessage, ...], lines: str) -> tuple[ChatMessage, ...]:
+    """``chat`` with ``lines`` ending its first system message (or one put first)."""
+    if chat and chat[0].role == "system":
+        first = chat[0]
+        content = f"{first.content}\n\n{lines}" if first.content else lines
+        return (replace(first, content=content), *chat[1:])
+    return (ChatMessage("system", lines), *chat)

@@ -98,3 +98,8 @@ class ChatRequest:
     parallel_tool_calls: bool | None = None  # None: not given (several allowed)
     chat_template: str | None = None  # a Jinja template instead of the model's
     n: int = 1
+    # Lines of the system turn that change from one session to the next (a working
+    # directory, a git status: tokenmill.chat.layout), placed at the end of the first
+    # system turn after everything the core adds to it (the tools' description, a JSON
+    # schema), so that what sessions share is a prefix of the prompt.
+    session_lines: str = ""

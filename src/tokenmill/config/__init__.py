@@ -11,6 +11,7 @@ from tokenmill.config.deployments import (
     DEFAULT_PROMOTE_AFTER_S,
     ENGINE_SECTIONS,
     POOL_NAME_PATTERN,
+    WEIGHT_TYPES,
     Autoscale,
     DeploymentCommon,
     DeploymentConfig,
@@ -21,6 +22,7 @@ from tokenmill.config.deployments import (
     ReplicatedDeployment,
     ScriptedDeployment,
     UpstreamDeployment,
+    WeightsSetting,
     parse_section,
 )
 from tokenmill.config.settings import (
@@ -33,6 +35,7 @@ from tokenmill.config.settings import (
     ConfigError,
     ServeSettings,
     Settings,
+    default_data_dir,
     is_postgres,
     load_settings,
 )
@@ -49,6 +52,7 @@ __all__ = [
     "DEFAULT_STREAM_KEEPALIVE_S",
     "ENGINE_SECTIONS",
     "POOL_NAME_PATTERN",
+    "WEIGHT_TYPES",
     "Autoscale",
     "ConfigError",
     "DeploymentCommon",
@@ -62,6 +66,8 @@ __all__ = [
     "ServeSettings",
     "Settings",
     "UpstreamDeployment",
+    "WeightsSetting",
+    "default_data_dir",
     "is_postgres",
     "load_settings",
     "parse_section",

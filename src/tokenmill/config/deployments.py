@@ -30,6 +30,10 @@ DEFAULT_MAX_NUM_SEQS = 16
 # one more after each further period): long enough that interactive traffic keeps
 # its edge under a burst, short enough that batch work still moves when overloaded.
 DEFAULT_PROMOTE_AFTER_S = 10.0
+# What a llama.cpp deployment's ``weights`` key may name: llama.cpp types a model file
+# is converted to (tokenmill.engines.llamacpp.weights), or "as-is".
+WEIGHT_TYPES = ("q8_0", "q4_0", "q4_k_m", "f16")
+WeightsSetting: TypeAlias = Literal["as-is", "q8_0", "q4_0", "q4_k_m", "f16"]
 
 
 class Price(BaseModel):
@@ -79,6 +83,8 @@ class DeploymentCommon(BaseModel):
     # names them in the x-tokenmill-omitted-tools header (agent CLIs offer web search by
     # default); "refuse": a 400 naming the tool (docs/agent-apis.md).
     hosted_tools: Literal["omit", "refuse"] = "omit"
+    # "stable_first": per-session system lines after the tools (chat/layout.py); "as_sent"
+    prompt_order: Literal["stable_first", "as_sent"] = "stable_first"
 
     @classmethod
     def engine_name(cls) -> str:
@@ -278,28 +284,43 @@ class LlamaCppDeployment(ReplicatedDeployment):
     engine: Literal["llamacpp"] = "llamacpp"
     # Absent: the embedded SmolLM2.
     model: Path | None = None
+    # Which weights a replica serves: "as-is", the file as given, or a llama.cpp type
+    # ("q8_0", "q4_0", "q4_k_m", "f16") it is converted to once and cached in
+    # weights_dir. Unset: "q8_0" for the embedded SmolLM2 (its Q4_1 has no fast CPU
+    # kernel for a batch of rows: docs/configuration.md), "as-is" for a model file.
+    weights: WeightsSetting | None = None
+    # Where converted weights are kept. Unset: <data_dir>/weights of the gateway.
+    weights_dir: Path | None = None
     n_threads: int | None = Field(default=None, ge=1)
     # Fewer llama.cpp threads for a step when that is measured to be faster: where other
     # busy processes share the cores, threads that wait for each other at every barrier
     # lose to one (see tokenmill.engines.llamacpp.threads). false: always n_threads.
     adapt_threads: bool = True
+    # How the slots hold their KV cells (docs/operations.md#kv-memory). "shared": one
+    # pool of kv_pool_tokens cells that every slot draws on, as llama-server's
+    # --kv-unified, vLLM and SGLang do: a sequence may take up to n_ctx of them, so a
+    # long prompt fits beside many short ones; an answer has the distribution of the
+    # same request alone, but a greedy one may part from it where the model is nearly
+    # undecided (where its cells sit changes the last bits of attention).
+    # "per_slot": a KV stream of n_ctx cells for each slot; a greedy answer is the
+    # same alone or batched, bit for bit, but no sequence holds more than its slot's.
+    kv_layout: Literal["shared", "per_slot"] = "shared"
     # Tokens one sequence may hold (prompt and completion); 0: the model's trained
-    # context (8,192 for the embedded SmolLM2), at most 32,768. The default keeps a KV
-    # stream per slot (16 x 2,048 cells), where a greedy answer is the same alone or
-    # batched; a larger n_ctx shares one pool between the slots (docs/operations.md).
-    n_ctx: int = Field(default=DEFAULT_N_CTX, ge=0)
-    # KV cells of a replica, all its slots together (docs/operations.md). Unset: 2,048 a
-    # slot, or n_ctx if more. Below max_num_seqs x n_ctx the slots share one pool.
+    # context (8,192 for the embedded SmolLM2), at most 32,768, in the shared layout,
+    # and 2,048 (at most the trained context) a slot in the per-slot one.
+    n_ctx: int = Field(default=0, ge=0)
+    # KV cells of a replica's shared pool, all its slots together (docs/operations.md).
+    # Unset: 2,048 a slot, or n_ctx if more (16 x 2,048 = 32,768 cells by default,
+    # 720 MiB for SmolLM2-135M). The per-slot layout has n_ctx cells a slot instead.
     kv_pool_tokens: int | None = Field(default=None, ge=64)
     # Host memory for sequences parked from reassigned slots, in bytes. Unset: a
     # quarter of the memory available at start, at most 8 GiB; 0: no host tier.
     kv_host_bytes: int | None = Field(default=None, ge=0)
-    # A directory where what the host tier parks is also written, so that a replica
-    # that crashes, restarts or is unloaded finds its conversations' histories again
-    # (docs/operations.md#kv-memory). Unset: no disk tier. Replicas of a deployment
-    # each get a subdirectory of their own.
-    kv_disk_dir: Path | None = None
-    # The disk tier's bound in bytes. Unset: half the free space there, at most 32 GiB.
+    # Where what the host tier parks is also written, so that a restarted replica (a
+    # crash, a new version) finds its cached prefixes (docs/operations.md#kv-memory).
+    # Unset: <data_dir>/kv/<id> (Settings.with_data_dir); "": none. Replica i: replica-<i>.
+    kv_disk_dir: Path | Literal[""] | None = None
+    # The disk tier's bound in bytes. Unset: 10 % of the free space there, at most 4 GiB.
     kv_disk_bytes: int | None = Field(default=None, ge=1)
     # RoPE context extension, as llama-server's --rope-scaling/--rope-scale/
     # --yarn-orig-ctx: serve an n_ctx past the model's training context (SmolLM2's 8k
@@ -313,17 +334,28 @@ class LlamaCppDeployment(ReplicatedDeployment):
     # where llama.cpp computes a row alike beside its draft
     # (docs/operations.md#speculative-decoding). "off": a token a step.
     speculative: Literal["ngram", "off"] = "off"
+    # When a found draft is verified: "measured", while the measured step costs say it
+    # writes more tokens a second (tokenmill.engines.speculative.best_cap); "always",
+    # every draft found, whole, as llama-server's --spec-type ngram-* does (for tests
+    # and hardware where a row costs next to nothing).
+    speculative_rule: Literal["measured", "always"] = "measured"
     rope_scale: float | None = Field(default=None, ge=1.0, allow_inf_nan=False)
     yarn_orig_ctx: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _disk_keys_together(self) -> LlamaCppDeployment:
-        if self.kv_disk_bytes is not None and self.kv_disk_dir is None:
-            raise ValueError("kv_disk_bytes needs kv_disk_dir (where the disk tier's files go)")
-        if self.kv_disk_dir is not None and self.kv_host_bytes == 0:
+        if self.kv_disk_bytes is not None and self.kv_disk_dir == "":
+            raise ValueError('kv_disk_bytes bounds a disk tier that kv_disk_dir = "" turns off')
+        if self.kv_host_bytes == 0 and (self.kv_disk_dir or self.kv_disk_bytes is not None):
+            raise ValueError("the disk tier needs the host-memory tier: kv_host_bytes must be > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _pool_keys_in_layout(self) -> LlamaCppDeployment:
+        if self.kv_layout == "per_slot" and self.kv_pool_tokens is not None:
             raise ValueError(
-                "kv_disk_dir needs the host-memory tier (what it parks is written to "
-                "disk): kv_host_bytes must not be 0"
+                "kv_pool_tokens sizes the shared pool; with kv_layout = 'per_slot' every "
+                "slot has n_ctx cells of its own: set n_ctx instead"
             )
         return self
 
@@ -341,7 +373,7 @@ class LlamaCppDeployment(ReplicatedDeployment):
         return float(self.n_threads or 1)
 
     def for_replica(self, index: int) -> Self:
-        if self.kv_disk_dir is None:
+        if not self.kv_disk_dir:
             return self
         return self.model_copy(update={"kv_disk_dir": self.kv_disk_dir / f"replica-{index}"})
 

@@ -10,7 +10,9 @@ import os
 import tomllib
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+import platformdirs
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -50,10 +52,21 @@ DEFAULT_BATCH_MAX_LINES = 50_000
 # front of servers (30 s to a first byte, 60 s idle), soon enough that a client can
 # tell a waiting server from a dead one, and a ping is 8 bytes.
 DEFAULT_STREAM_KEEPALIVE_S = 5.0
+# A streamed Messages or Responses answer that has sent nothing but pings for this long
+# (a long prefill) sends an event its client counts as activity: Claude Code gives up
+# on a stream after 300 s without an event other than ping (and warns at half that),
+# Codex after 300 s without an event (an SSE comment is none).
+DEFAULT_STREAM_ACTIVITY_S = 120.0
 
 
 class ConfigError(Exception):
     """The configuration cannot be used; the message names the file and key."""
+
+
+def default_data_dir() -> Path:
+    """Where tokenmill keeps its state when ``data_dir`` is unset: the user's data
+    directory (``~/.local/share/tokenmill`` on Linux)."""
+    return Path(platformdirs.user_data_dir("tokenmill", appauthor=False))
 
 
 class ServeSettings(BaseModel):
@@ -106,6 +119,9 @@ class Settings(BaseModel):
     batch_max_lines: int = Field(default=DEFAULT_BATCH_MAX_LINES, ge=1)
     # Keep-alive pings of streamed responses (tokenmill.server.sse); 0 or None: none.
     stream_keepalive_s: float | None = Field(default=DEFAULT_STREAM_KEEPALIVE_S, ge=0)
+    # Agent APIs' activity events on a quiet stream (tokenmill.server.sse.with_ticks);
+    # 0 or None: none.
+    stream_activity_s: float | None = Field(default=DEFAULT_STREAM_ACTIVITY_S, ge=0)
     # The Ray cluster of deployments with placement = "ray": "local" starts a private
     # Ray instance in this host (also what such deployments get when this is unset),
     # anything else is given to ray.init: "auto", "ray://head:10001", ...
@@ -121,6 +137,25 @@ class Settings(BaseModel):
                 raise ValueError(f"duplicate deployment id {d.id!r}")
             seen.add(d.id)
         return self
+
+    def data_path(self) -> Path:
+        """``data_dir``, or the user's data directory when unset."""
+        return self.data_dir if self.data_dir is not None else default_data_dir()
+
+    def with_data_dir(self, section: DeploymentConfig) -> DeploymentConfig:
+        """``section`` with what its replicas keep under the data dir placed there, for
+        a llama.cpp deployment: its converted weights (``weights_dir``, unless set) and
+        its KV disk tier (``kv_disk_dir``, unless set: ``<data_dir>/kv/<id>``, so that a
+        restarted server starts from the prefixes it had cached; not for a pool's
+        replicas, which gateways with other data dirs share, nor without a host tier)."""
+        if not isinstance(section, LlamaCppDeployment):
+            return section
+        update: dict[str, Path] = {}
+        if section.weights_dir is None:
+            update["weights_dir"] = self.data_path() / "weights"
+        if section.kv_disk_dir is None and section.kv_host_bytes != 0 and section.pool is None:
+            update["kv_disk_dir"] = self.data_path() / "kv" / quote(section.id, safe="")
+        return section.model_copy(update=update) if update else section
 
     def with_default_deployment(self) -> Settings:
         if self.deployments:
@@ -170,6 +205,7 @@ _ENV_KEYS = (
     "files_retention_s",
     "batch_max_lines",
     "stream_keepalive_s",
+    "stream_activity_s",
     "ray_address",
 )
 

@@ -1,181 +1,49 @@
-"""The admin API (accounts, credits, keys, usage) and ``GET /v1/usage/{request_id}``.
+"""The admin API (accounts, credits, keys, budgets, usage, the audit log), and what a
+key may read of its own: ``GET /v1/usage/{request_id}`` and ``GET /v1/keys/{key_id}``.
+Its wire models are :mod:`tokenmill.server.admin_protocol`'s.
 
 Access is decided by :mod:`tokenmill.server.auth` before a route runs: ``/admin``
-routes only ever see the admin (or everyone, when the gateway runs open).
+routes only ever see the admin (or everyone, when the gateway runs open). Every
+change is audited by the ledger, in its own transaction, naming the actor
+(:func:`~tokenmill.server.auth.actor_of`) and the request.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated
 
-from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Query, Request
 
-from tokenmill.errors import NotFoundError
+from tokenmill.errors import ResourceNotFoundError
 from tokenmill.identity import Caller
-from tokenmill.ledger import KEEP, MAX_WEIGHT, KeyInfo, KeyPriority, Receipt, SqlLedger
+from tokenmill.ledger import KEEP, Actor, AuditLog, AuditQuery, KeyInfo, SqlLedger
 from tokenmill.ledger import Account as LedgerAccount
+from tokenmill.ledger.audit import MAX_PAGE as MAX_AUDIT_PAGE
+from tokenmill.server.admin_protocol import (
+    MAX_USAGE_PAGE,
+    Account,
+    AccountChange,
+    ApiKey,
+    AuditRecord,
+    AuditRecordList,
+    Credits,
+    KeyChange,
+    NewAccount,
+    NewApiKey,
+    NewKey,
+    UsageRecord,
+    UsageRecordList,
+    windows,
+)
+from tokenmill.server.auth import actor_of
 from tokenmill.server.intake import parse_body
 from tokenmill.server.openapi import errors, json_body, link
-from tokenmill.server.protocol import Int
 
 router = APIRouter()
-# The most receipts one usage page lists.
-MAX_USAGE_PAGE = 1000
-# One balance or credit of at most a billion currency units: more is a client's bug,
-# and sums stay far inside the ledger's 64-bit integer columns.
-MAX_MICRO_UNITS = 10**15
-# A per-minute limit above this limits nothing (leave it out); it also stays in 64 bits.
-MAX_PER_MINUTE = 10**12
-# Streams one account may run at once: far beyond any deployment's slots.
-MAX_CONCURRENT = 10**6
-
-
-# As strict as the generation bodies: 5.0 is 5, but "5" and true are not numbers.
-_STRICT = ConfigDict(extra="forbid", strict=True)
-
-
-Weight = Field(
-    default=1.0,
-    gt=0,
-    le=MAX_WEIGHT,
-    allow_inf_nan=False,
-    description="its share of a busy deployment against other accounts (docs/fairness.md)",
-)
-MaxConcurrent = Field(
-    default=None,
-    ge=1,
-    le=MAX_CONCURRENT,
-    description="streams it may run at once on one deployment; null: no cap",
-)
-PRIORITY_HELP = "the class of the key's requests and the highest they may ask for"
-
-
-class NewAccount(BaseModel):
-    model_config = _STRICT
-    name: str = Field(min_length=1, max_length=200)
-    balance: Int = Field(default=0, ge=0, le=MAX_MICRO_UNITS, description="micro-units")
-    weight: float = Weight
-    max_concurrent: Int | None = MaxConcurrent
-
-
-class AccountChange(BaseModel):
-    """``PATCH /admin/accounts/{id}``: the fields given change, the rest stay."""
-
-    model_config = _STRICT
-    weight: float = Weight
-    max_concurrent: Int | None = MaxConcurrent
-
-
-class Credits(BaseModel):
-    model_config = _STRICT
-    amount: Int = Field(
-        ge=-MAX_MICRO_UNITS,
-        le=MAX_MICRO_UNITS,
-        description="micro-units; negative to remove credit",
-    )
-
-
-class NewKey(BaseModel):
-    model_config = _STRICT
-    account: str = Field(min_length=1)
-    rpm: Int | None = Field(default=None, ge=1, le=MAX_PER_MINUTE)
-    tpm: Int | None = Field(default=None, ge=1, le=MAX_PER_MINUTE)
-    priority: KeyPriority = Field(default="default", description=PRIORITY_HELP)
-
-
-class KeyChange(BaseModel):
-    model_config = _STRICT
-    priority: KeyPriority = Field(default="default", description=PRIORITY_HELP)
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Account(_Response):
-    id: str
-    name: str
-    balance: int = Field(description="micro-units")
-    held: int = Field(description="micro-units held for requests still running")
-    unlimited: bool
-    created: float
-    weight: float
-    max_concurrent: int | None
-
-    @classmethod
-    def of(cls, acc: LedgerAccount) -> Account:
-        return cls(
-            id=acc.id,
-            name=acc.name,
-            balance=acc.balance,
-            held=acc.held,
-            unlimited=acc.unlimited,
-            created=acc.created,
-            weight=acc.weight,
-            max_concurrent=acc.max_concurrent,
-        )
-
-
-class ApiKey(_Response):
-    id: str
-    account: str
-    rpm: int | None
-    tpm: int | None
-    created: float
-    revoked: float | None
-    priority: KeyPriority
-
-    @classmethod
-    def of(cls, info: KeyInfo) -> ApiKey:
-        return cls(
-            id=info.id,
-            account=info.account_id,
-            rpm=info.rpm,
-            tpm=info.tpm,
-            created=info.created,
-            revoked=info.revoked,
-            priority=info.priority,
-        )
-
-
-class NewApiKey(ApiKey):
-    key: str = Field(description="the key itself; it is never shown again")
-
-
-class UsageRecord(_Response):
-    request_id: str
-    account: str
-    key: str | None
-    deployment: str
-    prompt_tokens: int
-    completion_tokens: int
-    held: int
-    charged: int = Field(description="micro-units")
-    finish_reason: str
-    created: float
-    settled: float
-
-    @classmethod
-    def of(cls, r: Receipt) -> UsageRecord:
-        return cls(
-            request_id=r.request_id,
-            account=r.account_id,
-            key=r.key_id,
-            deployment=r.deployment,
-            prompt_tokens=r.prompt_tokens,
-            completion_tokens=r.completion_tokens,
-            held=r.held,
-            charged=r.charged,
-            finish_reason=r.finish_reason,
-            created=r.created,
-            settled=r.settled,
-        )
-
-
-class UsageRecordList(_Response):
-    object: Literal["list"]
-    data: list[UsageRecord]
+# An audit entry's id is a 64-bit integer in the ledger.
+MAX_ID = 2**63 - 1
+# Times are seconds since the epoch: this is the year 33658, far past any entry.
+MAX_TIME = 1e12
 
 
 def ledger_of(request: Request) -> SqlLedger:
@@ -183,11 +51,29 @@ def ledger_of(request: Request) -> SqlLedger:
     return ledger
 
 
+def change_actor(request: Request) -> Actor:
+    """Whom the audit log names for this request's change."""
+    caller: Caller = request.state.caller
+    return actor_of(caller, request.state.request_id)
+
+
 async def _account_or_404(ledger: SqlLedger, account_id: str) -> LedgerAccount:
     acc = await ledger.get_account(account_id)
     if acc is None:
-        raise NotFoundError(f"no account {account_id!r}", code="account_not_found")
+        raise ResourceNotFoundError(f"no account {account_id!r}", code="account_not_found")
     return acc
+
+
+async def _account(ledger: SqlLedger, acc: LedgerAccount) -> Account:
+    """The account as the API shows it, with its budget windows as they stand."""
+    return Account.of(acc, await ledger.budget_states("account", acc.id))
+
+
+async def _key(ledger: SqlLedger, info: KeyInfo | None, key_id: str) -> ApiKey:
+    """The key as the API shows it (404 if there is none), with its budget windows."""
+    if info is None:
+        raise ResourceNotFoundError(f"no key {key_id!r}", code="key_not_found")
+    return ApiKey.of(info, await ledger.budget_states("key", info.id))
 
 
 # What can be done with an account once it exists.
@@ -207,15 +93,22 @@ ACCOUNT_LINKS = {
 )
 async def create_account(request: Request) -> Account:
     body = await parse_body(request, NewAccount)
-    acc = await ledger_of(request).create_account(
-        body.name, body.balance, weight=body.weight, max_concurrent=body.max_concurrent
+    ledger = ledger_of(request)
+    acc = await ledger.create_account(
+        body.name,
+        body.balance,
+        weight=body.weight,
+        max_concurrent=body.max_concurrent,
+        budget=windows(body.budget),
+        actor=change_actor(request),
     )
-    return Account.of(acc)
+    return await _account(ledger, acc)
 
 
 @router.get("/admin/accounts/{account_id}", responses=errors(404))
 async def get_account(request: Request, account_id: str) -> Account:
-    return Account.of(await _account_or_404(ledger_of(request), account_id))
+    ledger = ledger_of(request)
+    return await _account(ledger, await _account_or_404(ledger, account_id))
 
 
 @router.patch(
@@ -226,14 +119,17 @@ async def get_account(request: Request, account_id: str) -> Account:
 async def update_account(request: Request, account_id: str) -> Account:
     body = await parse_body(request, AccountChange)
     given = body.model_fields_set
-    acc = await ledger_of(request).update_account(
+    ledger = ledger_of(request)
+    acc = await ledger.update_account(
         account_id,
         weight=body.weight if "weight" in given else KEEP,
         max_concurrent=body.max_concurrent if "max_concurrent" in given else KEEP,
+        budget=windows(body.budget) if "budget" in given else KEEP,
+        actor=change_actor(request),
     )
     # This gateway's next request sees it; others' within the key cache's TTL.
     request.app.state.key_cache.forget_account(account_id)
-    return Account.of(acc)
+    return await _account(ledger, acc)
 
 
 @router.post(
@@ -243,7 +139,9 @@ async def update_account(request: Request, account_id: str) -> Account:
 )
 async def add_credits(request: Request, account_id: str) -> Account:
     body = await parse_body(request, Credits)
-    return Account.of(await ledger_of(request).add_credits(account_id, body.amount))
+    ledger = ledger_of(request)
+    acc = await ledger.add_credits(account_id, body.amount, actor=change_actor(request))
+    return await _account(ledger, acc)
 
 
 @router.get("/admin/accounts/{account_id}/usage", responses=errors(400, 404))
@@ -264,20 +162,32 @@ async def account_usage(request: Request, account_id: str, limit: int = 100) -> 
 )
 async def create_key(request: Request) -> NewApiKey:
     body = await parse_body(request, NewKey)
-    info, plaintext = await ledger_of(request).create_key(
-        body.account, rpm=body.rpm, tpm=body.tpm, priority=body.priority
+    ledger = ledger_of(request)
+    info, plaintext = await ledger.create_key(
+        body.account,
+        rpm=body.rpm,
+        tpm=body.tpm,
+        priority=body.priority,
+        budget=windows(body.budget),
+        actor=change_actor(request),
     )
     # The only time the key's plain text exists outside the caller's hands.
-    return NewApiKey(**ApiKey.of(info).model_dump(), key=plaintext)
+    key = await _key(ledger, info, info.id)
+    return NewApiKey(**key.model_dump(), key=plaintext)
+
+
+@router.get("/admin/keys/{key_id}", responses=errors(404))
+async def get_key(request: Request, key_id: str) -> ApiKey:
+    ledger = ledger_of(request)
+    return await _key(ledger, await ledger.key_by_id(key_id), key_id)
 
 
 @router.delete("/admin/keys/{key_id}", responses=errors(404))
 async def revoke_key(request: Request, key_id: str) -> ApiKey:
-    info = await ledger_of(request).revoke_key(key_id)
-    if info is None:
-        raise NotFoundError(f"no key {key_id!r}", code="key_not_found")
+    ledger = ledger_of(request)
+    info = await ledger.revoke_key(key_id, actor=change_actor(request))
     request.app.state.key_cache.forget(key_id)
-    return ApiKey.of(info)
+    return await _key(ledger, info, key_id)
 
 
 @router.patch(
@@ -285,11 +195,59 @@ async def revoke_key(request: Request, key_id: str) -> ApiKey:
 )
 async def update_key(request: Request, key_id: str) -> ApiKey:
     body = await parse_body(request, KeyChange)
-    info = await ledger_of(request).set_key_priority(key_id, body.priority)
-    if info is None:
-        raise NotFoundError(f"no key {key_id!r}", code="key_not_found")
+    given = body.model_fields_set
+    ledger = ledger_of(request)
+    info = await ledger.update_key(
+        key_id,
+        priority=body.priority if "priority" in given else KEEP,
+        budget=windows(body.budget) if "budget" in given else KEEP,
+        actor=change_actor(request),
+    )
     request.app.state.key_cache.forget(key_id)
-    return ApiKey.of(info)
+    return await _key(ledger, info, key_id)
+
+
+@router.get("/admin/audit", responses=errors(400))
+async def audit_log(
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=MAX_AUDIT_PAGE)] = 100,
+    after: Annotated[
+        int | None, Query(ge=1, le=MAX_ID, description="the last id of the previous page")
+    ] = None,
+    actor: str | None = None,
+    action: str | None = None,
+    target_type: str | None = None,
+    target: Annotated[str | None, Query(description="the target's id")] = None,
+    since: Annotated[float | None, Query(ge=0, le=MAX_TIME, description="at or after")] = None,
+    until: Annotated[float | None, Query(ge=0, le=MAX_TIME, description="before")] = None,
+) -> AuditRecordList:
+    """The audit log, newest first, each filter given narrowing it."""
+    query = AuditQuery(
+        actor=actor, action=action, target_type=target_type, target_id=target,
+        since=since, until=until, after=after, limit=limit,
+    )  # fmt: skip
+    page = await AuditLog(ledger_of(request)).page(query)
+    data = [AuditRecord.of(e) for e in page.data]
+    return AuditRecordList(
+        object="list",
+        data=data,
+        has_more=page.has_more,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+    )
+
+
+@router.get("/v1/keys/{key_id}", responses=errors(404))
+async def own_key(request: Request, key_id: str) -> ApiKey:
+    """A key's limits and budget windows as they stand: an API key reads its own (any
+    other is a 404, as an unknown one), the admin any."""
+    caller: Caller = request.state.caller
+    open_gateway = request.app.state.settings.admin_key is None
+    ledger = ledger_of(request)
+    info = await ledger.key_by_id(key_id)
+    if info is not None and not (open_gateway or caller.is_admin or caller.key_id == key_id):
+        info = None
+    return await _key(ledger, info, key_id)
 
 
 @router.get("/v1/usage/{request_id}", responses=errors(404))
@@ -301,7 +259,7 @@ async def usage(request: Request, request_id: str) -> UsageRecord:
     if receipt is None or not (
         open_gateway or caller.is_admin or (caller.key_id and receipt.key_id == caller.key_id)
     ):
-        raise NotFoundError(
+        raise ResourceNotFoundError(
             f"no settled request {request_id!r} for this key "
             "(a request is listed once it has finished)",
             code="usage_not_found",

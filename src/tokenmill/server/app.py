@@ -27,12 +27,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import stages
 from tokenmill.config import Settings
-from tokenmill.errors import NotFoundError, TokenmillError
+from tokenmill.errors import ResourceNotFoundError, ServiceError
 from tokenmill.gateway import Gateway, new_request_id
 from tokenmill.identity import ANONYMOUS
-from tokenmill.ledger import LedgerMeter, ResponseStore, build_ledger
-from tokenmill.ledger.batches import BatchStore, FileStore
-from tokenmill.metrics import CONTENT_TYPE, GatewayMetrics
+from tokenmill.ledger import BatchStore, FileStore, LedgerMeter, ResponseStore, build_ledger
+from tokenmill.metrics import CONTENT_TYPE, BudgetReading, GatewayMetrics
 from tokenmill.server.admin import router as admin_router
 from tokenmill.server.auth import Auth, KeyCache
 from tokenmill.server.batches.router import router as batches_router
@@ -43,7 +42,7 @@ from tokenmill.server.errors import (
     anthropic_body,
     error_response,
     from_validation_error,
-    handle_tokenmill_error,
+    handle_service_error,
     handle_unexpected,
     speaks_anthropic,
 )
@@ -51,7 +50,10 @@ from tokenmill.server.messages.router import router as messages_router
 from tokenmill.server.openai.router import router as openai_router
 from tokenmill.server.openapi import document, json_response
 from tokenmill.server.protocol import Health, HealthDetail
+from tokenmill.server.ratelimits import RateLimitHeaders
 from tokenmill.server.responses.router import router as responses_router
+from tokenmill.server.traces import TraceContext
+from tokenmill.tracing import Tracing
 
 log = logging.getLogger("tokenmill.server")
 
@@ -146,6 +148,8 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
             await runner.close()
             await meter.close()
             await ledger.close()
+            if tracing is not None:
+                tracing.close()
 
     app = TokenmillApp(
         settings,
@@ -163,26 +167,34 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     )
     if metrics is not None:
         gw.observers.append(metrics)
+    # Off unless an OTLP endpoint is set: then one trace per request (tokenmill.tracing).
+    tracing = Tracing.from_environment()
+    if tracing is not None:
+        gw.observers.append(tracing)
     app.state.metrics = metrics
     app.state.settings = settings
     app.state.ledger = ledger
     app.state.key_cache = KeyCache(ledger)
-    app.state.responses = ResponseStore(ledger, settings.responses_retention_s)
+    app.state.responses = responses = ResponseStore(ledger, settings.responses_retention_s)
     app.state.files = files = FileStore(ledger, settings.files_retention_s)
     app.state.batches = batches = BatchStore(ledger, files)
-    app.state.batch_runner = runner = BatchRunner(app, gw, batches, ledger, stale_s=meter.stale_s)
+    app.state.batch_runner = runner = BatchRunner(
+        gw, batches, ledger, responses, stale_s=meter.stale_s
+    )
     app.state.load_error = False
-    app.add_exception_handler(TokenmillError, handle_tokenmill_error)
+    app.add_exception_handler(ServiceError, handle_service_error)
     app.add_exception_handler(Exception, handle_unexpected)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return error_response(
-                NotFoundError(f"no route {request.method} {request.url.path}", code="unknown_url"),
+                ResourceNotFoundError(
+                    f"no route {request.method} {request.url.path}", code="unknown_url"
+                ),
                 request.url.path,
             )
-        err = TokenmillError(str(exc.detail))
+        err = ServiceError(str(exc.detail))
         if speaks_anthropic(request.url.path):
             body = anthropic_body(err)
             body["error"]["type"] = ANTHROPIC_TYPES.get(exc.status_code, "invalid_request_error")
@@ -220,7 +232,11 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
 
         @app.get("/metrics", include_in_schema=False)
         async def prometheus_metrics() -> Response:
-            return Response(metrics.render(), media_type=CONTENT_TYPE)
+            budgets = [
+                BudgetReading(owner_type, owner, b.duration, b.spent, b.remaining)
+                for owner_type, owner, b in await ledger.all_budget_states()
+            ]
+            return Response(metrics.render(budgets), media_type=CONTENT_TYPE)
 
     @app.get("/", include_in_schema=False)
     async def playground() -> FileResponse:
@@ -236,6 +252,11 @@ def create_app(settings: Settings, gateway: Gateway | None = None) -> FastAPI:
     app.include_router(messages_router)
     app.include_router(admin_router)
     app.include_router(batches_router)
+    # Innermost first: the rate-limit headers read the key that Auth names; the trace
+    # context is kept under the request id that RequestContext gives.
+    app.add_middleware(RateLimitHeaders, ledger=ledger)
+    if tracing is not None:
+        app.add_middleware(TraceContext, tracing=tracing)
     app.add_middleware(Auth, admin_key=settings.admin_key, keys=app.state.key_cache)
     app.add_middleware(RequestContext)
     return app

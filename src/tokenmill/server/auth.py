@@ -25,9 +25,9 @@ from urllib.parse import parse_qsl
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill import stages
-from tokenmill.errors import AuthenticationError, PermissionDeniedError, TokenmillError
+from tokenmill.errors import ForbiddenError, ServiceError, UnauthenticatedError
 from tokenmill.identity import ANONYMOUS, Caller
-from tokenmill.ledger import ANONYMOUS_ACCOUNT, KeyInfo, SqlLedger, hash_key
+from tokenmill.ledger import ANONYMOUS_ACCOUNT, Actor, KeyInfo, SqlLedger, hash_key
 from tokenmill.server.errors import error_response
 
 CACHE_TTL_S = 2.0
@@ -83,10 +83,9 @@ class KeyCache:
         }
 
 
-# The scope key under which the gateway's own in-process requests (a Batch API
-# line, tokenmill.server.batches.runner) name their caller. A server never puts
-# anything of the network in the scope's top level, so no client can set it.
-INTERNAL_CALLER = "tokenmill.caller"
+# The scope state entry where the caller's key (its KeyInfo) is left for what reads its
+# limits afterwards (tokenmill.server.ratelimits).
+KEY_STATE = "key_info"
 
 # Outside /v1 and keyed like it: vLLM's paths for the model's tokenizer.
 KEYED_ROOT_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
@@ -130,8 +129,8 @@ class Auth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             try:
-                caller = scope.get(INTERNAL_CALLER) or await self._caller(scope)
-            except TokenmillError as e:
+                caller = await self._caller(scope)
+            except ServiceError as e:
                 await error_response(e, scope["path"])(scope, receive, send)
                 return
             if caller is not None:
@@ -147,14 +146,14 @@ class Auth:
         if self.admin_digest is None:
             return ADMIN if is_admin_path else ANONYMOUS
         if _key_in_query(scope):
-            raise AuthenticationError(
+            raise UnauthenticatedError(
                 "API keys are refused in the URL, where logs and histories keep them: "
                 "send 'Authorization: Bearer <key>' and revoke the key you sent",
                 code="api_key_in_query",
             )
         token = _presented_key(scope)
         if token is None:
-            raise AuthenticationError(
+            raise UnauthenticatedError(
                 "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
                 code="missing_api_key",
             )
@@ -162,9 +161,10 @@ class Auth:
             return ADMIN
         info = await self.keys.lookup(token)
         if info is None or info.revoked is not None:
-            raise AuthenticationError("invalid or revoked API key")
+            raise UnauthenticatedError("invalid or revoked API key")
         if is_admin_path:
-            raise PermissionDeniedError("the admin API needs the admin key")
+            raise ForbiddenError("the admin API needs the admin key")
+        scope.setdefault("state", {})[KEY_STATE] = info
         return caller_of(info)
 
 
@@ -179,3 +179,16 @@ def caller_of(info: KeyInfo) -> Caller:
         priority=info.priority,
         max_priority=info.priority,
     )
+
+
+def actor_of(caller: Caller, request_id: str) -> Actor:
+    """Who the audit log names for a change ``caller`` asks for: ``admin`` (the admin
+    key, or anyone on an open gateway's ``/admin``), else the API key (``key:<id>``),
+    else the account (an open gateway's anonymous caller)."""
+    if caller.is_admin:
+        name = "admin"
+    elif caller.key_id is not None:
+        name = f"key:{caller.key_id}"
+    else:
+        name = f"account:{caller.account_id}"
+    return Actor(name, request_id)

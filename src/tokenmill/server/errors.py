@@ -19,7 +19,7 @@ from tokenmill.errors import (
     ClientGoneError,
     InvalidRequestError,
     PayloadTooLargeError,
-    TokenmillError,
+    ServiceError,
 )
 from tokenmill.server.protocol import error_param
 from tokenmill.server.refused import UNSUPPORTED
@@ -46,7 +46,7 @@ def speaks_anthropic(path: str) -> bool:
     return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
 
 
-def anthropic_body(exc: TokenmillError) -> dict[str, Any]:
+def anthropic_body(exc: ServiceError) -> dict[str, Any]:
     """``exc`` as Anthropic's error body (also its stream's ``error`` event). The body
     has no ``param``: the message names the field, as Anthropic's do
     (``messages.1.content: ...``)."""
@@ -57,7 +57,7 @@ def anthropic_body(exc: TokenmillError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def error_response(exc: TokenmillError, path: str = "") -> JSONResponse:
+def error_response(exc: ServiceError, path: str = "") -> JSONResponse:
     """The response to ``exc`` on ``path``, in the shape that path's API speaks."""
     body = anthropic_body(exc) if speaks_anthropic(path) else exc.to_openai_body()
     return JSONResponse(body, status_code=exc.status, headers=exc.headers())
@@ -104,12 +104,12 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def handle_tokenmill_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, TokenmillError)
+async def handle_service_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ServiceError)
     return error_response(exc, request.url.path)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    error = TokenmillError("internal error; the request was not processed")
+    error = ServiceError("internal error; the request was not processed")
     return error_response(error, request.url.path)

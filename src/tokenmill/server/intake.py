@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
 from tokenmill import stages
-from tokenmill.errors import InvalidRequestError, NotFoundError, UnavailableError
+from tokenmill.errors import InvalidRequestError, ResourceNotFoundError, UnavailableError
 from tokenmill.gateway import Deployment, Gateway
 from tokenmill.server.errors import from_validation_error, read_body
 from tokenmill.server.refused import UNSUPPORTED
@@ -52,6 +52,8 @@ async def parse_body(request: Request, model: type[M], tags: Collection[str] = (
     body = await read_body(request, request.app.state.settings.max_body_bytes)
     parsed = parse_json(body, model, tags)
     stages.mark("parsed")
+    # What a trace names of the request (its sampling: tokenmill.tracing) is read there.
+    request.state.parsed_body = parsed
     return parsed
 
 
@@ -91,7 +93,7 @@ def deployment_by_id(gateway: Gateway, deployment_id: str) -> Deployment:
     try:
         return gateway.deployments[deployment_id]
     except KeyError:
-        raise NotFoundError(
+        raise ResourceNotFoundError(
             f"no deployment {deployment_id!r}; see GET /v1/deployments",
             code="deployment_not_found",
         ) from None

@@ -20,6 +20,11 @@ goes through :func:`stream_generation`, which opens it and answers with its even
   the queue, or its slots, go back at once, and nothing is billed.
 * Whenever an open stream has sent nothing for one interval (a long prefill, text held
   back), a ping goes out. Never after the last event.
+* Agent CLIs count no ping as activity (Claude Code skips ``ping`` events, Codex's SSE
+  reader skips comments) and give up on a stream quiet for 5 minutes: a long prefill
+  on a small CPU takes longer. Their APIs' adapters read the generation through
+  :func:`with_ticks` (``stream_activity_s``) and, on each tick, send an event their
+  client counts (the encoders' ``activity()``).
 
 Each API says what its ping and its in-band error are (:class:`InBand`); OpenAI's
 ping is the SSE comment ``: ping``, which SSE readers skip. Off (0), nothing changes.
@@ -39,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import ServiceError
 
 T = TypeVar("T")
 
@@ -64,7 +69,7 @@ def encode_typed_event(payload: dict[str, Any]) -> bytes:
     return f"event: {payload['type']}\n".encode() + encode_event(payload)
 
 
-def openai_error(error: TokenmillError) -> bytes:
+def openai_error(error: ServiceError) -> bytes:
     """OpenAI's in-band error: the error body as an event, then the end of the stream."""
     return encode_event(error.to_openai_body()) + DONE
 
@@ -75,7 +80,7 @@ class InBand:
     ends a stream whose head already went out (the frames, the stream's end included)."""
 
     ping: bytes = PING
-    error: Callable[[TokenmillError], bytes] = openai_error
+    error: Callable[[ServiceError], bytes] = openai_error
 
 
 OPENAI = InBand()
@@ -122,10 +127,49 @@ async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
             return
 
 
-async def _aclose(frames: AsyncIterator[bytes]) -> None:
+async def _aclose(frames: AsyncIterator[Any]) -> None:
     aclose = getattr(frames, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+async def with_ticks(source: AsyncIterator[T], every_s: float | None) -> AsyncIterator[T | None]:
+    """``source``'s items, and None whenever it has given nothing for ``every_s`` (a
+    long prefill): the adapter then sends what its client counts as activity. Without
+    ``every_s``, ``source`` as it is. Each next item is awaited in a task of its own,
+    asked for only when the reader asks for more; a reader that leaves cancels it."""
+    if not every_s:
+        async for item in source:
+            yield item
+        return
+    source_iter = aiter(source)
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source_iter))
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield None
+                continue
+            ready, pending = pending, None
+            try:
+                item = ready.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is None:
+            await _aclose(source_iter)
+        else:  # the reader left while the source was quiet: cancelled, it ends itself
+            pending.cancel()
+            pending.add_done_callback(_retrieved)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Read a task's end, so that none is reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class EventStreamResponse(Response):
@@ -203,7 +247,7 @@ class _Opening:
             # Cancelled (the client left), this cancels the opening too: the request
             # leaves the queue and takes no slot.
             source = await self._task
-        except TokenmillError as e:
+        except ServiceError as e:
             yield self._in_band.error(e)
             return
         frames = source.events()

@@ -2,7 +2,8 @@
 
 Each line is ``{"custom_id", "method", "url", "body"}``; its body is read by the same
 wire model, with the same messages, as the route it names would read it
-(:func:`~tokenmill.server.intake.parse_json`), and its ``model`` must name a
+(:func:`~tokenmill.server.intake.parse_json` into its :data:`ENDPOINTS` entry's
+model, which the runner serves it through), and its ``model`` must name a
 deployment. Every bad line is reported in OpenAI's ``errors`` object (``code``,
 ``message``, ``param``, ``line``, counted from 1) and a file with any is refused
 whole: a batch with a bad line fails validation and runs nothing, so costs nothing.
@@ -11,26 +12,22 @@ whole: a batch with a bad line fails validation and runs nothing, so costs nothi
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
-
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import ServiceError
 from tokenmill.gateway import Gateway
 from tokenmill.ledger.batches import LineSpec
+from tokenmill.server.endpoint import Endpoint
 from tokenmill.server.intake import parse_json
-from tokenmill.server.openai.embeddings import EmbeddingBody
-from tokenmill.server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from tokenmill.server.responses.protocol import TAGS, ResponsesRequest
+from tokenmill.server.openai.embeddings import EMBEDDINGS
+from tokenmill.server.openai.serving import CHAT, COMPLETIONS
+from tokenmill.server.responses.serving import RESPONSES
 
-# The routes a batch's lines may call: each one's wire model and union tags.
-ENDPOINTS: dict[str, tuple[type[BaseModel], Collection[str]]] = {
-    "/v1/chat/completions": (ChatCompletionRequest, ()),
-    "/v1/completions": (CompletionRequest, ()),
-    "/v1/embeddings": (EmbeddingBody, ()),
-    "/v1/responses": (ResponsesRequest, TAGS),
+# The routes a batch's lines may call, by path: each one's wire model, union tags and
+# serving function, which its route serves through too.
+ENDPOINTS: dict[str, Endpoint[Any]] = {
+    e.path: e for e in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
 }
 # Errors reported in full; past this many, one more says how many were left out.
 MAX_ERRORS = 100
@@ -138,11 +135,11 @@ def _check_line(
         checked.error(number, "invalid_request",
                       "a batch line cannot stream: leave 'stream' out", "body.stream")  # fmt: skip
         return None
-    model_type, tags = ENDPOINTS[endpoint]
+    entry = ENDPOINTS[endpoint]
     try:
-        parsed = parse_json(json.dumps(body), model_type, tags)
+        parsed = parse_json(json.dumps(body), entry.model, entry.tags)
         deployment = gateway.deployment(getattr(parsed, "model", None))
-    except TokenmillError as e:
+    except ServiceError as e:
         param = f"body.{e.param}" if e.param else "body"
         checked.error(number, e.code or "invalid_request", e.message, param)
         return None

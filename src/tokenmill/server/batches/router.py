@@ -1,7 +1,8 @@
 """The Batch API's routes: ``/v1/files`` and ``/v1/batches``, as OpenAI's.
 
 Thin: a request's files and batches are its account's (another account's read as
-absent: 404), stored by :mod:`tokenmill.ledger.batches`; a new batch's input file is
+absent: 404), stored by :mod:`tokenmill.ledger.files` and
+:mod:`tokenmill.ledger.batches`; a new batch's input file is
 checked whole first (:mod:`~tokenmill.server.batches.lines`), and its lines run on
 idle capacity (:mod:`~tokenmill.server.batches.runner`).
 """
@@ -17,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
-from tokenmill.errors import InvalidRequestError, NotFoundError, PayloadTooLargeError
+from tokenmill.errors import InvalidRequestError, PayloadTooLargeError, ResourceNotFoundError
 from tokenmill.identity import Caller
-from tokenmill.ledger.batches import BatchStore, FileStore
+from tokenmill.ledger import BatchStore, FileStore
+from tokenmill.server.auth import actor_of
 from tokenmill.server.batches.lines import ENDPOINTS, check_file
 from tokenmill.server.intake import parse_body, ready_gateway
 from tokenmill.server.openapi import errors, json_body
@@ -115,8 +117,8 @@ def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     }
 
 
-def _no_file(file_id: str) -> NotFoundError:
-    return NotFoundError(f"no file {file_id!r}", param="file_id", code="file_not_found")
+def _no_file(file_id: str) -> ResourceNotFoundError:
+    return ResourceNotFoundError(f"no file {file_id!r}", param="file_id", code="file_not_found")
 
 
 @router.get("/v1/files/{file_id}", responses=errors(404))
@@ -200,8 +202,8 @@ async def create_batch(request: Request) -> JSONResponse:
     return JSONResponse(batch.to_json())
 
 
-def _no_batch(batch_id: str) -> NotFoundError:
-    return NotFoundError(f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
+def _no_batch(batch_id: str) -> ResourceNotFoundError:
+    return ResourceNotFoundError(f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
 
 
 @router.get("/v1/batches", responses=errors(400))
@@ -224,7 +226,8 @@ async def get_batch(request: Request, batch_id: str) -> JSONResponse:
 
 @router.post("/v1/batches/{batch_id}/cancel", responses=errors(404))
 async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
-    batch = await batches_of(request).cancel(batch_id, _account(request))
+    actor = actor_of(request.state.caller, request.state.request_id)
+    batch = await batches_of(request).cancel(batch_id, _account(request), actor=actor)
     if batch is None:
         raise _no_batch(batch_id)
     request.app.state.batch_runner.wake()

@@ -3,12 +3,15 @@
 Every gateway on a ledger runs one :class:`BatchRunner`. It claims pending lines for
 each deployment it serves as far as that deployment has room for them
 (:meth:`~tokenmill.gateway.Deployment.batch_room`: nobody waiting, a few slots kept
-for interactive requests), and runs each line as the request it is: through this
-app, as the batch's owner, in the ``batch`` class and at the batch discount
-(:meth:`~tokenmill.identity.Caller.for_batch`), so a line is admitted, routed (cache
-locality included), held, metered and settled like any request, and answers what
-the route would answer. Its outcome is written only if this gateway still holds
-the line (:mod:`tokenmill.ledger.batches`).
+for interactive requests), and runs each line as the request it is: its stored body
+read into its route's wire model and served by its route's serving function (the
+route's :class:`~tokenmill.server.endpoint.Endpoint`, :data:`~tokenmill.server.
+batches.lines.ENDPOINTS`), as the batch's owner, in the ``batch`` class and at the
+batch discount (:meth:`~tokenmill.identity.Caller.for_batch`), so a line is admitted,
+routed (cache locality included), held, metered and settled like any request, and
+answers what the route would answer: its collected body, or its error's status and
+body. Its outcome is written only if this gateway still holds the line
+(:mod:`tokenmill.ledger.batches`).
 
 What a line's answer means for it:
 
@@ -29,18 +32,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from typing import Any
 
-from starlette.types import ASGIApp, Message
+import anyio
 
+from tokenmill.errors import ServiceError, UnauthenticatedError
 from tokenmill.gateway import Gateway
 from tokenmill.identity import Caller
-from tokenmill.ledger import SqlLedger
+from tokenmill.ledger import ResponseStore, SqlLedger
 from tokenmill.ledger.batches import MAX_ATTEMPTS, BatchStore, Claimed, output_line
-from tokenmill.server.auth import INTERNAL_CALLER, caller_of
+from tokenmill.server.auth import caller_of
+from tokenmill.server.batches.lines import ENDPOINTS
+from tokenmill.server.endpoint import Call
+from tokenmill.server.intake import parse_json
 
 log = logging.getLogger("tokenmill.batches")
 
@@ -53,74 +59,41 @@ CREDIT_WAIT_S = 0.5
 _KEY_TTL_S = 2.0
 
 
-async def call_app(
-    app: ASGIApp, path: str, body: dict[str, Any], caller: Caller, request_id: str
-) -> tuple[int, bytes, dict[str, str]]:
-    """POST ``body`` to ``path`` of ``app`` as ``caller``, in process: the status,
-    body and headers it answers. The call never disconnects; cancel it to abort."""
-    payload = json.dumps(body).encode()
-    scope: dict[str, Any] = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(payload)).encode()),
-            (b"x-request-id", request_id.encode()),
-        ],
-        "client": ("batch", 0),
-        "server": ("tokenmill", 0),
-        INTERNAL_CALLER: caller,
-    }
-    sent = False
-
-    async def receive() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await asyncio.Event().wait()  # the caller never leaves
-        raise AssertionError("unreachable")
-
-    status = 500
-    headers: dict[str, str] = {}
-    chunks: list[bytes] = []
-
-    async def send(message: Message) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = int(message["status"])
-            headers.update(
-                (k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"]
-            )
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-
-    await app(scope, receive, send)
-    return status, b"".join(chunks), headers
+async def serve_line(call: Call, url: str, body: str) -> tuple[int, Any, dict[str, str]]:
+    """Serve a line's request (``body``, JSON) as its route does, whole: the status,
+    the body (OpenAI's error body for an error) and the headers the route would answer.
+    Never disconnects; cancel it to abort (the generation then settles what it made)."""
+    endpoint = ENDPOINTS[url]
+    try:
+        answer = await endpoint.serve(call, parse_json(body, endpoint.model, endpoint.tags))
+        try:
+            return 200, await answer.collect(), {}
+        finally:
+            with anyio.CancelScope(shield=True):
+                await answer.aclose()
+    except ServiceError as e:
+        return e.status, e.to_openai_body(), e.headers()
+    except Exception:  # as the app's handler of the unexpected answers it
+        log.exception("batch line %s failed unexpectedly", call.request_id)
+        error = ServiceError("internal error; the request was not processed")
+        return error.status, error.to_openai_body(), {}
 
 
 class BatchRunner:
     def __init__(
         self,
-        app: ASGIApp,
         gateway: Gateway,
         store: BatchStore,
         ledger: SqlLedger,
+        responses: ResponseStore,
         *,
         stale_s: float,
         poll_s: float = POLL_S,
     ) -> None:
-        self.app = app
         self.gateway = gateway
         self.store = store
         self.ledger = ledger
+        self.responses = responses  # where a /v1/responses line stores what it answers
         self.stale_s = stale_s
         self.poll_s = poll_s
         self._wake = asyncio.Event()
@@ -223,16 +196,14 @@ class BatchRunner:
         try:
             caller = await self._caller(line)
             if caller is None:
-                body = {"error": {"message": "the key that created this batch was revoked",
-                                  "type": "authentication_error", "param": None,
-                                  "code": "invalid_api_key"}}  # fmt: skip
-                result = output_line(line.custom_id, line.request_id, 401, body)
+                revoked = UnauthenticatedError("the key that created this batch was revoked")
+                body = revoked.to_openai_body()
+                result = output_line(line.custom_id, line.request_id, revoked.status, body)
                 await self.store.finish(line, gateway_id, "failed", result)
                 return
-            status, raw, headers = await call_app(
-                self.app, line.url, line.body, caller, line.request_id
-            )
-            await self._outcome(line, status, raw, headers)
+            call = Call(self.gateway, caller, line.request_id, self.responses)
+            status, body, headers = await serve_line(call, line.url, line.body)
+            await self._outcome(line, status, body, headers)
         except asyncio.CancelledError:
             # Shut down mid-line: its stream settled what it produced; it runs again.
             await asyncio.shield(self.store.unclaim(line, gateway_id))
@@ -247,13 +218,9 @@ class BatchRunner:
             self._wake.set()
 
     async def _outcome(
-        self, line: Claimed, status: int, raw: bytes, headers: dict[str, str]
+        self, line: Claimed, status: int, body: Any, headers: dict[str, str]
     ) -> None:
         gateway_id = self.ledger.gateway_id
-        try:
-            body: Any = json.loads(raw) if raw else None
-        except ValueError:
-            body = raw.decode("utf-8", "replace")
         result = output_line(line.custom_id, line.request_id, status, body)
         if 200 <= status < 300:
             await self.store.finish(line, gateway_id, "completed", result)
@@ -282,6 +249,6 @@ class BatchRunner:
 
 def _retry_after(headers: dict[str, str]) -> float:
     try:
-        return max(0.1, float(headers.get("retry-after", HOLD_OFF_S)))
+        return max(0.1, float(headers.get("Retry-After", HOLD_OFF_S)))
     except ValueError:
         return HOLD_OFF_S

@@ -11,6 +11,12 @@ generation (:mod:`tokenmill.chat.events`) and gives the events Anthropic's SDK r
                  content_block_stop
     message_delta (stop_reason, usage, the context edits applied), message_stop
 
+A stream with nothing to say for a long while (a long prefill) is kept going by
+:meth:`MessageEncoder.activity`: an empty text block opened as the message's first,
+then empty text deltas in it. Claude Code (2.1.197) gives up on a stream after 300 s
+without an event other than ``ping``, so pings alone do not hold it through minutes of
+prefill; the text the model then writes goes on in that block (a call takes the next).
+
 The message builds up as the events go: the non-streamed answer is the same
 encoder's :attr:`message` once every event is fed, so the two cannot disagree. An
 error after streaming began is :meth:`fail`: an ``error`` event, and the stream ends.
@@ -32,7 +38,7 @@ from tokenmill.chat import (
     ToolCallStart,
 )
 from tokenmill.engines import Usage
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import ServiceError
 from tokenmill.server.errors import anthropic_body
 
 # The core's finish reasons as Anthropic's stop reasons. A stop that names its stop
@@ -92,7 +98,7 @@ class MessageEncoder:
             return self._close(event.arguments)
         if isinstance(event, ChoiceEnd):
             if event.reason == "error":
-                raise TokenmillError("the generation failed", code="server_error")
+                raise ServiceError("the generation failed", code="server_error")
             self.message["stop_reason"] = STOP_REASONS[event.reason]
             if event.reason == "length" and self.window:
                 self.message["stop_reason"] = "model_context_window_exceeded"
@@ -103,7 +109,18 @@ class MessageEncoder:
         assert isinstance(event, Finished)
         return self._finish(event.usage)
 
-    def fail(self, error: TokenmillError) -> list[dict[str, Any]]:
+    def activity(self) -> list[dict[str, Any]]:
+        """Events that say the message is under way and add nothing to it: before any
+        content, an empty text block opened (the answer's text goes on in it); in an
+        open text block, an empty delta. Elsewhere none (the pings go on)."""
+        if self._open is None and not self.content:
+            return self._begin({"type": "text", "text": ""})
+        if self._open is not None and self._open["type"] == "text":
+            delta = {"type": "text_delta", "text": ""}
+            return [{"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}]
+        return []
+
+    def fail(self, error: ServiceError) -> list[dict[str, Any]]:
         return [anthropic_body(error)]
 
     def _begin(self, block: dict[str, Any]) -> list[dict[str, Any]]:

@@ -63,6 +63,9 @@ def _kind(value: Any) -> Any:
 class TextBlock(_Model):
     type: Literal["text"]
     text: str
+    # A prompt-caching breakpoint: read as where the client's stable prefix ends
+    # (tokenmill.chat.layout), whatever its value; never refused.
+    cache_control: Any = None
 
 
 class ToolUseBlock(_Model):

@@ -2,8 +2,10 @@
 message (streamed as events, or whole) out.
 
 :func:`open_message` turns the request into the core's
-:class:`~tokenmill.chat.request.ChatRequest` (``system`` first, a ``system`` message
-in its place, each ``tool_use`` block an assistant's call, each ``tool_result`` block
+:class:`~tokenmill.chat.request.ChatRequest` (``system`` first, its per-session
+lines apart for the core to place after the tools where the deployment's
+``prompt_order`` says so (:mod:`tokenmill.chat.layout`), a ``system`` message in its
+place, each ``tool_use`` block an assistant's call, each ``tool_result`` block
 a ``tool`` turn naming it; thinking blocks never reach the model), applies its
 context edits (:mod:`~tokenmill.server.messages.context`) and opens it with
 :func:`tokenmill.chat.open_generation`: the gateway admits, holds credit and meters
@@ -26,15 +28,19 @@ from tokenmill.chat import (
     FunctionTool,
     Generation,
     NamedTool,
+    PromptOrder,
     ResponseFormat,
+    SystemBlock,
+    SystemSplit,
     Turn,
     count_prompt,
     open_generation,
+    split_system,
 )
 from tokenmill.chat import ToolChoice as CoreToolChoice
 from tokenmill.chat.hosted import hosted_tools
 from tokenmill.engines import SamplingParams, ToolCall
-from tokenmill.errors import ContextLengthError, InvalidRequestError, TokenmillError
+from tokenmill.errors import ContextLengthError, InvalidRequestError, ServiceError
 from tokenmill.gateway import Deployment, Gateway
 from tokenmill.identity import Caller
 from tokenmill.server.messages.context import clear_thinking, clear_tool_uses, count_tool_uses
@@ -50,7 +56,7 @@ from tokenmill.server.messages.protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from tokenmill.server.sse import encode_typed_event
+from tokenmill.server.sse import encode_typed_event, with_ticks
 
 # Anthropic's tool_choice types as the core's.
 _CHOICES: dict[str, CoreToolChoice] = {"auto": "auto", "any": "required", "none": "none"}
@@ -68,6 +74,8 @@ class MessageRun:
     generation: Generation
     encoder: MessageEncoder
     omitted_tools: tuple[str, ...] = ()  # hosted tools left out of the prompt
+    # A quiet stream sends an event Claude Code counts this often (stream_activity_s).
+    activity_s: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -75,13 +83,14 @@ class MessageRun:
 
     async def events(self) -> AsyncIterator[bytes]:
         """The message's events; an error after streaming began is an ``error`` event."""
+        encoder = self.encoder
         try:
-            for event in self.encoder.start():
+            for event in encoder.start():
                 yield encode_typed_event(event)
-            async for e in self.generation.events():
-                for event in self.encoder.feed(e):
+            async for e in with_ticks(self.generation.events(), self.activity_s):
+                for event in encoder.activity() if e is None else encoder.feed(e):
                     yield encode_typed_event(event)
-        except TokenmillError as e:
+        except ServiceError as e:
             for event in self.encoder.fail(e):
                 yield encode_typed_event(event)
 
@@ -95,10 +104,22 @@ class MessageRun:
         await self.generation.aclose()
 
 
-def conversation(body: CountTokensRequest) -> tuple[Turn, ...]:
-    """The request's messages as the core's turns, ``system`` first."""
+def system_prompt(body: CountTokensRequest, order: PromptOrder) -> SystemSplit:
+    """``system`` as the text sessions share and this session's lines
+    (:func:`tokenmill.chat.split_system`; ``as_sent``: all of it shared, unmoved)."""
+    if body.system is None or order == "as_sent":
+        return SystemSplit(body.system_text() or "", "")
+    if isinstance(body.system, str):
+        return split_system([SystemBlock(body.system)])
+    return split_system([SystemBlock(b.text, b.cache_control is not None) for b in body.system])
+
+
+def conversation(body: CountTokensRequest, system: str | None = None) -> tuple[Turn, ...]:
+    """The request's messages as the core's turns, ``system`` (the request's, unless
+    given) first."""
     turns: list[Turn] = []
-    system = body.system_text()
+    if system is None:
+        system = body.system_text()
     if system:
         turns.append(Turn("system", system))
     names: dict[str, str] = {}  # tool_use id -> the tool's name
@@ -159,8 +180,12 @@ def _tool_choice(choice: ToolChoice | None) -> CoreToolChoice | None:
     return _CHOICES[choice.type]
 
 
-def chat_request(body: CountTokensRequest, sampling: SamplingParams) -> ChatRequest:
-    """The core's request for ``body`` (``sampling`` without its constraint)."""
+def chat_request(
+    body: CountTokensRequest, sampling: SamplingParams, order: PromptOrder = "as_sent"
+) -> ChatRequest:
+    """The core's request for ``body`` (``sampling`` without its constraint), its
+    system prompt's per-session lines placed as ``order`` says (the deployment's
+    ``prompt_order``)."""
     fmt = body.output_config.format if body.output_config is not None else None
     if fmt is not None:
         spec = ResponseFormat("json_schema", fmt.schema_, name="output")
@@ -174,12 +199,14 @@ def chat_request(body: CountTokensRequest, sampling: SamplingParams) -> ChatRequ
     parallel = None
     if choice is not None and choice.disable_parallel_tool_use:
         parallel = False
+    system = system_prompt(body, order)
     return ChatRequest(
         sampling=sampling,
-        messages=conversation(body),
+        messages=conversation(body, system.stable),
         tools=tools,
         tool_choice=_tool_choice(choice) if tools else None,
         parallel_tool_calls=parallel,
+        session_lines=system.session,
     )
 
 
@@ -212,7 +239,9 @@ def check_model(deployment: Deployment, body: CountTokensRequest) -> tuple[str, 
 
 async def _count(deployment: Deployment, body: CountTokensRequest) -> int:
     try:
-        return await count_prompt(deployment, chat_request(body, SamplingParams(max_tokens=1)))
+        order = deployment.config.prompt_order
+        request = chat_request(body, SamplingParams(max_tokens=1), order)
+        return await count_prompt(deployment, request)
     except InvalidRequestError as e:
         e.param = _param(e.param)
         raise
@@ -296,10 +325,10 @@ async def open_message(
     )
     try:
         # A max_tokens past what the context leaves is served up to the window.
+        request = chat_request(edited, sampling, deployment.config.prompt_order)
         generation = await open_generation(
-            gateway, deployment, chat_request(edited, sampling), request_id, caller,
-            up_to_window=True,
-        )  # fmt: skip
+            gateway, deployment, request, request_id, caller, up_to_window=True
+        )
     except InvalidRequestError as e:
         if isinstance(e, ContextLengthError) and e.param == "max_tokens":
             e.param = "messages"  # the prompt alone fills the window
@@ -324,4 +353,5 @@ async def open_message(
     }
     if applied is not None:
         message["context_management"] = {"applied_edits": applied}
-    return MessageRun(generation, MessageEncoder(message, window=window), omitted)
+    encoder = MessageEncoder(message, window=window)
+    return MessageRun(generation, encoder, omitted, gateway.settings.stream_activity_s)

@@ -6,21 +6,24 @@ numbers) or ``base64`` (each vector's little-endian float32 bytes: what the
 ``openai`` SDK asks for by default, and decodes itself). ``dimensions`` is accepted
 only when it is the model's own length: llama.cpp models give vectors of one size.
 Vectors are unit length. Inputs are billed as prompt tokens
-(:mod:`tokenmill.gateway.embeddings`); ``usage`` says how many.
+(:mod:`tokenmill.gateway.embeddings`); ``usage`` says how many. :data:`EMBEDDINGS` is
+the endpoint its route and the Batch API's lines serve through.
 """
 
 from __future__ import annotations
 
 import base64
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenmill.engines import EmbeddingInput, EmbeddingRequest, Embeddings
-from tokenmill.gateway import Deployment, Gateway
+from tokenmill.errors import InvalidRequestError
 from tokenmill.gateway import embeddings as gateway_embeddings
-from tokenmill.identity import Caller
+from tokenmill.server.endpoint import Call, Endpoint
 from tokenmill.server.protocol import TokenId, _integral
 
 # OpenAI's limit on inputs per request.
@@ -135,19 +138,38 @@ def response_body(result: Embeddings, model: str, encoding_format: str) -> dict[
     }
 
 
-async def embeddings(
-    gateway: Gateway,
-    deployment: Deployment,
-    body: EmbeddingBody,
-    request_id: str,
-    caller: Caller,
-) -> dict[str, Any]:
-    """Embed ``body``'s inputs through the gateway (metered); OpenAI's response body."""
+@dataclass(frozen=True, slots=True)
+class Embedded:
+    """The embeddings of a request, computed and billed: an answer that is only whole."""
+
+    body: dict[str, Any]
+
+    async def collect(self) -> dict[str, Any]:
+        return self.body
+
+    def events(self) -> AsyncIterator[bytes]:
+        raise InvalidRequestError("embeddings are answered whole: leave 'stream' out")
+
+    async def aclose(self) -> None:
+        return None
+
+
+def embeddings(call: Call, body: EmbeddingBody) -> Coroutine[Any, Any, Embedded]:
+    """Embed ``body``'s inputs through the gateway (metered): OpenAI's response body.
+    An unknown model is refused at once, the embedding awaited."""
+    deployment = call.gateway.deployment(body.model)
     request = EmbeddingRequest(
-        request_id=request_id, inputs=body.inputs(), dimensions=body.dimensions
+        request_id=call.request_id, inputs=body.inputs(), dimensions=body.dimensions
     )
-    result = await gateway_embeddings.embed(gateway, deployment, request, caller)
-    return response_body(result, body.model or deployment.id, body.encoding_format)
+
+    async def embed() -> Embedded:
+        result = await gateway_embeddings.embed(call.gateway, deployment, request, call.caller)
+        model = body.model or deployment.id
+        return Embedded(response_body(result, model, body.encoding_format))
+
+    return embed()
 
 
-__all__ = ["EmbeddingBody", "EmbeddingList", "embeddings"]
+EMBEDDINGS = Endpoint("/v1/embeddings", EmbeddingBody, embeddings)
+
+__all__ = ["EMBEDDINGS", "EmbeddingBody", "EmbeddingList", "embeddings"]

@@ -42,7 +42,7 @@ from tokenmill.chat import (
     ToolCallStart,
 )
 from tokenmill.engines import TokenLogprob, Usage
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import ServiceError
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -153,7 +153,7 @@ class _Encoder:
     def _choice_event(self, event: Event) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    def fail(self, error: TokenmillError) -> list[dict[str, Any]]:
+    def fail(self, error: ServiceError) -> list[dict[str, Any]]:
         """What a stream says of an error after it began: OpenAI's error body."""
         return [error.to_openai_body()]
 

@@ -5,7 +5,9 @@ vLLM's tokenizer routes that OpenAI-compatible clients of vLLM read.
 Thin: parse the body (:mod:`tokenmill.server.intake`), ask the serving module
 (:mod:`~tokenmill.server.openai.serving`, :mod:`~tokenmill.server.openai.embeddings`,
 :mod:`~tokenmill.server.openai.tokenizing`), and send one JSON body or the
-server-sent events. All logic lives below this layer.
+server-sent events; the routes a Batch API line may call go through their
+:class:`~tokenmill.server.endpoint.Endpoint`, as the line does. All logic lives below
+this layer.
 """
 
 from __future__ import annotations
@@ -13,19 +15,18 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.responses import Response
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.gateway import Deployment, Gateway, requested_priority
+from tokenmill.gateway import Deployment, Gateway
+from tokenmill.server.endpoint import answer, call_of
 from tokenmill.server.intake import deployment_by_id, parse_body, ready_gateway
 from tokenmill.server.openai import embeddings, tokenizing
 from tokenmill.server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
-    Message,
     PredictRequest,
     SamplingFields,
     TokenizeBody,
@@ -39,7 +40,7 @@ from tokenmill.server.openai.replies import (
     Tokenized,
     TokenizerInfoBody,
 )
-from tokenmill.server.openai.serving import Route, open_generation
+from tokenmill.server.openai.serving import CHAT, COMPLETIONS, Route, open_generation
 from tokenmill.server.openapi import (
     USAGE_LINK,
     any_of,
@@ -62,37 +63,6 @@ ROUTE_HEADERS: dict[str, Route] = {
     "completion": "completion",
     "completions": "completion",
 }
-
-
-async def _generate(
-    request: Request,
-    body: SamplingFields,
-    route: Route,
-    deployment: Deployment,
-    *,
-    prompt: str | None = None,
-    prompt_tokens: tuple[int, ...] | None = None,
-    prompts: tuple[str | tuple[int, ...], ...] | None = None,
-    messages: list[Message] | None = None,
-) -> Response:
-    gw = ready_gateway(request)
-    # The class it asked for, at most its key's (docs/fairness.md).
-    caller = request.state.caller.asking(requested_priority(body.priority, body.service_tier))
-    opening = open_generation(
-        gw,
-        deployment,
-        body,
-        route,
-        request.state.request_id,
-        caller,
-        prompt=prompt,
-        prompt_tokens=prompt_tokens,
-        prompts=prompts,
-        messages=messages,
-        # An affinity hint for routing: a conversation's header, else its user.
-        session=request.headers.get("x-session-id") or body.user,
-    )
-    return await respond(request, opening, body.stream)
 
 
 # What can go wrong with a generation request, before streaming begins.
@@ -124,30 +94,12 @@ def _generated(
     **_generated(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk),
 )
 async def chat_completions(request: Request) -> Response:
-    body = await parse_body(request, ChatCompletionRequest)
-    deployment = ready_gateway(request).deployment(body.model)
-    return await _generate(request, body, "chat", deployment, messages=body.messages)
+    return await answer(request, CHAT)
 
 
 @router.post("/v1/completions", **_generated(CompletionRequest, Completion, CompletionChunk))
 async def completions(request: Request) -> Response:
-    body = await parse_body(request, CompletionRequest)
-    if body.best_of is not None and body.best_of != body.n:
-        # best_of = n returns every candidate: that is n. Ranking candidates is not built.
-        raise InvalidRequestError(
-            f"best_of {body.best_of} with n {body.n}: tokenmill returns every choice it "
-            "generates and ranks none; send best_of equal to n, or leave it out",
-            param="best_of",
-            code="unsupported_parameter",
-        )
-    deployment = ready_gateway(request).deployment(body.model)
-    items = body.prompt_items()
-    if len(items) > 1:
-        return await _generate(request, body, "completion", deployment, prompts=items)
-    (item,) = items
-    if isinstance(item, str):
-        return await _generate(request, body, "completion", deployment, prompt=item)
-    return await _generate(request, body, "completion", deployment, prompt_tokens=item)
+    return await answer(request, COMPLETIONS)
 
 
 @router.post(
@@ -189,16 +141,7 @@ async def tokenizer_info(request: Request, model: str | None = None) -> Tokenize
     },
 )
 async def create_embeddings(request: Request) -> Response:
-    body = await parse_body(request, embeddings.EmbeddingBody)
-    gw = ready_gateway(request)
-    answer = await embeddings.embeddings(
-        gw,
-        gw.deployment(body.model),
-        body,
-        request.state.request_id,
-        request.state.caller,
-    )
-    return JSONResponse(answer, headers={"x-request-id": request.state.request_id})
+    return await answer(request, embeddings.EMBEDDINGS)
 
 
 async def _predict(request: Request, deployment_id: str, stream: bool) -> Response:
@@ -218,9 +161,10 @@ async def _predict(request: Request, deployment_id: str, stream: bool) -> Respon
     body.stream = stream
     if body.model is None:
         body.model = deployment.id
-    return await _generate(
-        request, body, route, deployment, prompt=body.prompt, messages=body.messages
+    opening = open_generation(
+        call_of(request), deployment, body, route, prompt=body.prompt, messages=body.messages
     )
+    return await respond(request, opening, body.stream)
 
 
 @router.post(

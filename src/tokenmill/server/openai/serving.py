@@ -5,23 +5,30 @@ core's events out as OpenAI's shapes.
 :class:`~tokenmill.chat.ChatRequest` and opens it; the router sends the returned
 :class:`OpenAIRun` as ``chat.completion.chunk`` / ``text_completion`` server-sent
 events (``events``), or as one body (``collect``), each shaped by the route's pure
-encoder (:mod:`tokenmill.server.openai.events`). Knows nothing of routes.
+encoder (:mod:`tokenmill.server.openai.events`). :data:`CHAT` and :data:`COMPLETIONS`
+are the two endpoints (:mod:`tokenmill.server.endpoint`) their routes and the Batch
+API's lines both serve through. Knows nothing of routes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from tokenmill import chat
 from tokenmill.engines import PromptItem
-from tokenmill.errors import TokenmillError
-from tokenmill.gateway import Deployment, Gateway
-from tokenmill.identity import Caller
+from tokenmill.errors import InvalidRequestError, ServiceError
+from tokenmill.gateway import Deployment, requested_priority
+from tokenmill.server.endpoint import Call, Endpoint
 from tokenmill.server.openai.events import ChatEncoder, CompletionEncoder
-from tokenmill.server.openai.protocol import Message, SamplingFields
+from tokenmill.server.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Message,
+    SamplingFields,
+)
 from tokenmill.server.openai.tools import ToolFields, tool_choice
 from tokenmill.server.sse import DONE, encode_event
 
@@ -49,7 +56,7 @@ class OpenAIRun:
             async for e in self.generation.events():
                 for chunk in self.encoder.feed(e):
                     yield encode_event(chunk)
-        except TokenmillError as e:
+        except ServiceError as e:
             for chunk in self.encoder.fail(e):
                 yield encode_event(chunk)
         yield DONE
@@ -95,26 +102,30 @@ def chat_request(
 
 
 async def open_generation(
-    gateway: Gateway,
+    call: Call,
     deployment: Deployment,
     body: SamplingFields,
     route: Route,
-    request_id: str,
-    caller: Caller,
     *,
     prompt: str | None = None,
     prompt_tokens: tuple[int, ...] | None = None,
     prompts: tuple[PromptItem, ...] | None = None,
     messages: Sequence[Message] | None = None,
-    session: str | None = None,
 ) -> OpenAIRun:
-    """Open the generation through the core (may raise); ``session`` is the routing's
-    affinity hint (``x-session-id``, else ``user``)."""
+    """Open the generation through the core (may raise), in the class the body asks
+    for (at most the caller's key's: docs/fairness.md), routed by the call's session
+    (``x-session-id``), else the body's ``user``, as an affinity hint."""
     request = chat_request(
         body, route, prompt=prompt, prompt_tokens=prompt_tokens, prompts=prompts, messages=messages
     )
+    caller = call.caller.asking(requested_priority(body.priority, body.service_tier))
     generation = await chat.open_generation(
-        gateway, deployment, request, request_id, caller, session=session
+        call.gateway,
+        deployment,
+        request,
+        call.request_id,
+        caller,
+        session=call.session or body.user,
     )
     encoder = ChatEncoder if route == "chat" else CompletionEncoder
     return OpenAIRun(
@@ -128,3 +139,38 @@ async def open_generation(
             logprobs=body.logprob_alternatives() is not None and not generation.tool_calls,
         ),
     )
+
+
+# A serving function refuses what it knows at once (an unknown model, a field it
+# does not take) when called, and returns the opening: a refusal known before any
+# wait keeps its HTTP status whatever a stream's keep-alive (tokenmill.server.sse).
+
+
+def serve_chat(call: Call, body: ChatCompletionRequest) -> Coroutine[Any, Any, OpenAIRun]:
+    """``POST /v1/chat/completions``."""
+    deployment = call.gateway.deployment(body.model)
+    return open_generation(call, deployment, body, "chat", messages=body.messages)
+
+
+def serve_completion(call: Call, body: CompletionRequest) -> Coroutine[Any, Any, OpenAIRun]:
+    """``POST /v1/completions``: one prompt, or several (each its own choices)."""
+    if body.best_of is not None and body.best_of != body.n:
+        # best_of = n returns every candidate: that is n. Ranking candidates is not built.
+        raise InvalidRequestError(
+            f"best_of {body.best_of} with n {body.n}: tokenmill returns every choice it "
+            "generates and ranks none; send best_of equal to n, or leave it out",
+            param="best_of",
+            code="unsupported_parameter",
+        )
+    deployment = call.gateway.deployment(body.model)
+    items = body.prompt_items()
+    if len(items) > 1:
+        return open_generation(call, deployment, body, "completion", prompts=items)
+    (item,) = items
+    if isinstance(item, str):
+        return open_generation(call, deployment, body, "completion", prompt=item)
+    return open_generation(call, deployment, body, "completion", prompt_tokens=item)
+
+
+CHAT = Endpoint("/v1/chat/completions", ChatCompletionRequest, serve_chat)
+COMPLETIONS = Endpoint("/v1/completions", CompletionRequest, serve_completion)

@@ -15,6 +15,9 @@ OpenAI's SDK reads, numbered by ``sequence_number`` from 0::
                   response.function_call_arguments.done, response.output_item.done
     response.completed | response.incomplete (max_output_tokens) | response.failed
 
+and ``response.in_progress`` again wherever the stream was quiet a long while
+(:meth:`ResponseEncoder.activity`: a long prefill).
+
 The response object builds up as the events go: the non-streamed answer is the same
 encoder's :attr:`response` once every event is fed, so a streamed response and an
 unstreamed one cannot disagree. An error after streaming began is :meth:`fail`: an
@@ -36,7 +39,7 @@ from tokenmill.chat import (
     ToolCallStart,
 )
 from tokenmill.engines import Usage
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import ServiceError
 
 
 def item_id(prefix: str) -> str:
@@ -58,7 +61,7 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def opening_failed(error: TokenmillError) -> dict[str, Any]:
+def opening_failed(error: ServiceError) -> dict[str, Any]:
     """The one event of a stream refused after its head went out (it waited behind
     keep-alive pings): no response was created, so there is no ``response.failed``."""
     code = error.code or error.type
@@ -110,6 +113,12 @@ class ResponseEncoder:
             self._event("response.in_progress", response=self._snapshot()),
         ]
 
+    def activity(self) -> list[dict[str, Any]]:
+        """An event that says the response is under way and changes nothing: the
+        response, still ``in_progress``, again. Codex (0.171.0) gives up on a stream
+        after 300 s without an event, and an SSE comment (``: ping``) is none."""
+        return [self._event("response.in_progress", response=self._snapshot())]
+
     def feed(self, event: Event) -> list[dict[str, Any]]:
         if isinstance(event, TextDelta):
             return self._text(event.text)
@@ -127,7 +136,7 @@ class ResponseEncoder:
         assert isinstance(event, Finished)
         return self._finish(event.usage)
 
-    def fail(self, error: TokenmillError) -> list[dict[str, Any]]:
+    def fail(self, error: ServiceError) -> list[dict[str, Any]]:
         """An error after streaming began: the response failed."""
         self.response["status"] = "failed"
         # A failed response's code is one of OpenAI's few; the error event has ours.
@@ -278,7 +287,7 @@ class ResponseEncoder:
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
             return [*events, self._event("response.incomplete", response=self._snapshot())]
         if self._reason == "error":
-            events += self.fail(TokenmillError("the generation failed", code="server_error"))
+            events += self.fail(ServiceError("the generation failed", code="server_error"))
             return events
         self.response["status"] = "completed"
         return [*events, self._event("response.completed", response=self._snapshot())]

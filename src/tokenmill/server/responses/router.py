@@ -16,7 +16,8 @@ from starlette.responses import Response
 
 from tokenmill.chat.hosted import OMITTED_HEADER, omitted_header
 from tokenmill.ledger import ResponseStore
-from tokenmill.server.intake import parse_body, ready_gateway
+from tokenmill.server.endpoint import call_of
+from tokenmill.server.intake import parse_body
 from tokenmill.server.openapi import (
     USAGE_LINK,
     errors,
@@ -26,9 +27,7 @@ from tokenmill.server.openapi import (
     typed_event_stream,
 )
 from tokenmill.server.responses import serving
-from tokenmill.server.responses.events import opening_failed
 from tokenmill.server.responses.protocol import (
-    TAGS,
     DeletedResponse,
     InputItemList,
     InputItemsQuery,
@@ -36,12 +35,9 @@ from tokenmill.server.responses.protocol import (
     ResponsesRequest,
     StreamEvent,
 )
-from tokenmill.server.sse import InBand, encode_typed_event, respond
+from tokenmill.server.sse import respond
 
 router = APIRouter()
-# The Responses stream's pings are SSE comments (it has no ping event); a stream that
-# waited behind them and is then refused ends with the API's error event.
-IN_BAND = InBand(error=lambda error: encode_typed_event(opening_failed(error)))
 
 
 def store_of(request: Request) -> ResponseStore:
@@ -70,19 +66,12 @@ _STREAM = typed_event_stream(StreamEvent)
     },
 )
 async def create_response(request: Request) -> Response:
-    body = await parse_body(request, ResponsesRequest, TAGS)
-    gw = ready_gateway(request)
-    deployment = gw.deployment(body.model)
-    omitted = serving.check_tools(deployment, body)  # a 400 before any stream
-    opening = serving.open_response(
-        gw,
-        deployment,
-        body,
-        request.state.request_id,
-        request.state.caller,
-        store_of(request),
-    )
-    response = await respond(request, opening, body.stream, IN_BAND)
+    endpoint = serving.RESPONSES
+    body = await parse_body(request, endpoint.model, endpoint.tags)
+    call = call_of(request)
+    # The hosted tools left out, for the header: a 400 here, before any stream.
+    omitted = serving.check_tools(call.gateway.deployment(body.model), body)
+    response = await respond(request, endpoint.serve(call, body), body.stream, endpoint.in_band)
     if omitted:
         response.headers[OMITTED_HEADER] = omitted_header(omitted)
     return response

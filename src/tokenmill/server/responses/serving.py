@@ -8,13 +8,14 @@ with :func:`tokenmill.chat.open_generation`: the gateway admits, holds credit an
 meters it exactly as any chat (the replayed history is prompt tokens). The returned
 :class:`ResponseRun` is sent by the router as events or as one body; either way the
 response is stored (``store``, the default) before its last event or its body leaves,
-so a client that continues at once finds it. Knows nothing of routes.
+so a client that continues at once finds it. :data:`RESPONSES` is the endpoint its
+route and the Batch API's lines serve through. Knows nothing of routes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,23 +30,25 @@ from tokenmill.chat import (
 )
 from tokenmill.chat.hosted import hosted_tools
 from tokenmill.engines import SamplingParams
-from tokenmill.errors import InvalidRequestError, NotFoundError, TokenmillError
+from tokenmill.errors import InvalidRequestError, ResourceNotFoundError, ServiceError
 from tokenmill.gateway import Deployment, Gateway
 from tokenmill.identity import Caller
 from tokenmill.ledger import ResponseStore
-from tokenmill.server.responses.events import ResponseEncoder
+from tokenmill.server.endpoint import Call, Endpoint
+from tokenmill.server.responses.events import ResponseEncoder, opening_failed
 from tokenmill.server.responses.items import new_id, output_items, stored_items, turns
 from tokenmill.server.responses.protocol import (
+    TAGS,
     BuiltinToolParam,
     InputItemsQuery,
     NamedFunctionChoice,
     ResponsesRequest,
 )
-from tokenmill.server.sse import encode_typed_event
+from tokenmill.server.sse import InBand, encode_typed_event, with_ticks
 
 
-def not_found(response_id: str) -> NotFoundError:
-    return NotFoundError(
+def not_found(response_id: str) -> ResourceNotFoundError:
+    return ResourceNotFoundError(
         f"no response {response_id!r}: it was never stored (store: false), was deleted, "
         "has expired, or belongs to another account",
         code="response_not_found",
@@ -63,6 +66,8 @@ class ResponseRun:
     account_id: str
     conversation: list[dict[str, Any]]  # the input items, history first
     omitted_tools: tuple[str, ...] = ()  # hosted tools left out of the prompt
+    # A quiet stream sends response.in_progress again this often (stream_activity_s).
+    activity_s: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -81,13 +86,13 @@ class ResponseRun:
         try:
             for event in encoder.start():
                 yield encode_typed_event(event)
-            async for e in self.generation.events():
-                out = encoder.feed(e)
+            async for e in with_ticks(self.generation.events(), self.activity_s):
+                out = encoder.activity() if e is None else encoder.feed(e)
                 if out and out[-1]["type"] in ("response.completed", "response.incomplete"):
                     await self._stored()
                 for event in out:
                     yield encode_typed_event(event)
-        except TokenmillError as e:
+        except ServiceError as e:
             for event in encoder.fail(e):
                 yield encode_typed_event(event)
 
@@ -98,7 +103,7 @@ class ResponseRun:
         try:
             async for e in self.generation.events():
                 encoder.feed(e)
-        except TokenmillError as e:
+        except ServiceError as e:
             encoder.fail(e)
             raise
         await self._stored()
@@ -248,7 +253,24 @@ async def open_response(
         account_id=caller.account_id,
         conversation=conversation,
         omitted_tools=omitted,
+        activity_s=gateway.settings.stream_activity_s,
     )
+
+
+def serve_response(call: Call, body: ResponsesRequest) -> Coroutine[Any, Any, ResponseRun]:
+    """``POST /v1/responses``: an unknown model or a refused hosted tool at once (a 400
+    before any stream), then the opening."""
+    deployment = call.gateway.deployment(body.model)
+    check_tools(deployment, body)
+    return open_response(
+        call.gateway, deployment, body, call.request_id, call.caller, call.responses
+    )
+
+
+# The Responses stream's pings are SSE comments (it has no ping event); a stream that
+# waited behind them and is then refused ends with the API's error event.
+IN_BAND = InBand(error=lambda error: encode_typed_event(opening_failed(error)))
+RESPONSES = Endpoint("/v1/responses", ResponsesRequest, serve_response, TAGS, IN_BAND)
 
 
 async def get_response(store: ResponseStore, response_id: str, caller: Caller) -> dict[str, Any]:
