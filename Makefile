@@ -50,11 +50,13 @@ test: install
 		|| (apt-get update && apt-get install -y postgresql)
 	$(BIN)/python -m pytest -p no:cacheprovider
 
-# Claude Code's first request (~20k tokens) served by the embedded model at 32k: minutes
-# of prefill on 2 cores, so not part of make test (its Codex twin and the scripted
-# tool loops of both CLIs are).
+# Claude Code's and Codex's first requests (~20k and ~9k tokens) served by the embedded
+# model at 32k: minutes of prefill on 2 cores, so not part of make test (the scripted
+# tool loops of both CLIs are); and Claude Code at its defaults held past its 300 s
+# idle timeout on a scripted model (6 minutes, little CPU).
 agents-32k: install
-	$(BIN)/python -m pytest -p no:cacheprovider -m long_prefill tests/server/test_agent_clis.py
+	$(BIN)/python -m pytest -p no:cacheprovider -m long_prefill tests/server/test_agent_clis.py \
+		tests/server/test_agent_activity.py
 
 lint: install
 	$(BIN)/ruff check src tests bench
@@ -77,6 +79,11 @@ bench: install $(LLAMA_SERVER)
 # streams, 4x overload, 20 replica kills. Exits non-zero if an invariant fails.
 soak: install
 	$(BIN)/python bench/soak.py
+	# The KV memory's differential oracle (tests/engines/test_kv_oracle.py) over 500
+	# operation sequences a layout, drawn afresh (make test runs a fixed 10): about 30
+	# minutes a layout here. Prints the largest drift it saw beside the bound.
+	TOKENMILL_ORACLE_EXAMPLES=500 TOKENMILL_ORACLE_RANDOM=1 $(BIN)/python -m pytest \
+		-p no:cacheprovider -s -k never_change tests/engines/test_kv_oracle.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

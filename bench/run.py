@@ -15,7 +15,12 @@ scenario; ``--only-NAME`` runs one alone (its results in ``.bench-cache/NAME.jso
 * ``fairness``: fair share against FIFO on one gateway;
 * ``routing``: the routing policies on one gateway of 2 replicas;
 * ``kvtier``: many conversations on one 4-slot replica against llama-server's
-  host-memory prompt cache, and one long prompt beside 16 streams (issue 34).
+  host-memory prompt cache, and one long prompt beside 16 streams (issue 34);
+* ``weights``: the shipped Q4_1 file served as-is against the Q8_0 made from it,
+  prefill and c=16 decode tokens/s as ratios (issue 47);
+* ``kvdrift``: probes alone before and after 192 streams on tokenmill (both KV
+  layouts) and llama-server's unified KV: answers changed, the largest drift, streams
+  ended at once (issue 46).
 
 Levels of 16 and more send their requests from staggered workers (``load.Plan``;
 ``--lockstep`` sends them in waves as before). The results of a plain run are written

@@ -14,12 +14,15 @@ from . import (
     constrained,
     fairness,
     kvcluster,
+    kvdrift,
     kvtier,
     logprobs,
     ray,
     routing,
     speculative,
+    tracing,
     versus,
+    weights,
 )
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -34,4 +37,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     batch.SCENARIO,
     autoscale.SCENARIO,
     speculative.SCENARIO,
+    weights.SCENARIO,
+    kvdrift.SCENARIO,
+    tracing.SCENARIO,
 )

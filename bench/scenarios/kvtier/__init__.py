@@ -1,20 +1,21 @@
 """KV memory beyond the slots, on one replica (issue 34, part 4).
 
-**Many conversations.** One tokenmill replica of 4 slots (``max_num_seqs = 4``,
-``n_ctx = 2048``, ``kv_host_bytes`` at its default unless ``--kvtier-host-bytes``)
-and llama.cpp's own ``llama-server`` built from the same vendored llama.cpp
-(``-np 4 -c 8192``, ``--threads``; everything else at its defaults, so its host-memory
-prompt cache ``--cache-ram`` is on), both started together and measured in turn, who
-goes first alternating from one repetition to the next. Each gets the same
-``--kvtier-conversations`` three-turn conversations, each opening with its own ~300-token
-document (made from a seed), ``--kvtier-open`` at a time, pausing 1-3 s (seeded) between
-turns like a person reading. Every answer is ``--kvtier-max-tokens`` long (``ignore_eos``).
-A later turn found its whole earlier prompt cached when the usage's
-``prompt_tokens_details.cached_tokens`` (both servers report it) is at least the previous
-turn's ``prompt_tokens``. tokenmill's replica memory is read from ``/proc`` (its pids
-from ``GET /v1/deployments/{id}``): RSS after warm-up, then after each window with the
-peak (VmHWM); the tier's own figures are what that endpoint reports under each
-replica's ``kv`` (``host_capacity_bytes`` the bound).
+**Many conversations.** One tokenmill replica of 4 slots (``max_num_seqs = 4``, the rest
+at its defaults: a shared pool of 8,192 cells, ``kv_host_bytes`` at its default unless
+``--kvtier-host-bytes``) and llama.cpp's own ``llama-server`` built from the same
+vendored llama.cpp, reading the file tokenmill serves (``-np 4 -c 8192``, ``--threads``;
+everything else at its defaults, so its host-memory prompt cache ``--cache-ram`` is on),
+both started together and measured in turn, who goes first alternating from one
+repetition to the next. Each gets the same ``--kvtier-conversations`` three-turn
+conversations, each opening with its own ~300-token document (made from a seed),
+``--kvtier-open`` at a time, pausing 1-3 s (seeded) between turns like a person reading.
+Every answer is ``--kvtier-max-tokens`` long (``ignore_eos``). A later turn found its
+whole earlier prompt cached when the usage's ``prompt_tokens_details.cached_tokens``
+(both servers report it) is at least the previous turn's ``prompt_tokens``. tokenmill's
+replica memory is read from ``/proc`` (its pids from ``GET /v1/deployments/{id}``): RSS
+after warm-up, then after each window with the peak (VmHWM); the tier's own figures are
+what that endpoint reports under each replica's ``kv`` (``host_capacity_bytes`` the
+bound).
 
 **One long prompt.** tokenmill with no configuration at all (the embedded default):
 ``--kvtier-streams`` workers send short requests one after another; once each has had
@@ -37,6 +38,7 @@ from probes import memory_mb
 from servers import Server, llama_server, llama_server_binary, log, tokenmill_server
 
 from ..routing.workload import Window, ms
+from ..versus import served_file
 from .report import TIER_KEY, report
 from .workload import TURNS, long_beside_short, many
 
@@ -45,15 +47,15 @@ if TYPE_CHECKING:
 
 DEPLOYMENT = "kvtier"
 SLOTS = 4
-N_CTX = 2048  # tokenmill's per deployment; llama-server's -c is the whole pool
-LLAMA_CTX = 8192
+N_CTX = 8192  # tokenmill's at its defaults: the model's context, in one shared pool
+LLAMA_CTX = 8192  # llama-server's -c: the whole pool, as tokenmill's (4 x 2,048)
 
 
 def config(host_bytes: int | None) -> str:
     # No queue timeout: llama-server has none, and a turn that waited out tokenmill's
     # 30 s default would be an error, not a time.
     text = (
-        f'[[deployments]]\nid = "{DEPLOYMENT}"\nmax_num_seqs = {SLOTS}\nn_ctx = {N_CTX}\n'
+        f'[[deployments]]\nid = "{DEPLOYMENT}"\nmax_num_seqs = {SLOTS}\n'
         "max_queue = 256\nqueue_timeout_s = 600\n"
     )
     return text + ("" if host_bytes is None else f"kv_host_bytes = {host_bytes}\n")
@@ -93,6 +95,7 @@ def summarize(windows: list[Window]) -> dict[str, Any]:
         "whole_cached": whole,
         "whole_cached_share": round(whole / len(later), 4) if later else None,
         "later_ttft_p50_ms": ms(statistics.median(t.ttft_s for t in later)) if later else None,
+        "later_ttft_mean_ms": ms(statistics.fmean(t.ttft_s for t in later)) if later else None,
         "first_ttft_p50_ms": ms(statistics.median(t.ttft_s for t in first)) if first else None,
         "first_prompt_tokens_p50": statistics.median(t.prompt_tokens for t in first)
         if first
@@ -113,14 +116,19 @@ def conversations(bench: Bench, binary: Path, out: dict[str, Any]) -> None:
     cfg.write_text(config(args.kvtier_host_bytes))
     out["config"] = cfg.read_text()
     tm = tokenmill_server("tokenmill", tmp, ("--config", str(cfg)), files="tokenmill-kvtier")
-    ls = llama_server(binary, bench.gguf, args.threads, tmp, SLOTS, LLAMA_CTX, "llama-kvtier")
-    out["llama_server_cmd"] = ls.proc.args  # a list of str: written as JSON
-    windows: dict[str, list[Window]] = {tm.name: [], ls.name: []}
+    servers = [tm]
+    windows: dict[str, list[Window]] = {tm.name: []}
     memory: dict[str, Any] = {}
     out["memory"] = memory
     try:
-        for s in (tm, ls):
-            s.start()
+        tm.start()
+        # llama-server reads the file tokenmill serves (Q8_0 made from the shipped one).
+        peer = served_file(tm)
+        ls = llama_server(binary, peer, args.threads, tmp, SLOTS, LLAMA_CTX, "llama-kvtier")
+        servers.append(ls)
+        out["llama_server_cmd"] = ls.proc.args  # a list of str: written as JSON
+        windows[ls.name] = []
+        ls.start()
         memory["after_warm_up"] = replica_memory(tm)
         memory["windows"] = []
         for rep in range(args.kvtier_reps):
@@ -137,7 +145,7 @@ def conversations(bench: Bench, binary: Path, out: dict[str, Any]) -> None:
                 )
                 out["servers"] = {n: summarize(w) for n, w in windows.items() if w}
     finally:
-        for s in (tm, ls):
+        for s in servers:
             s.stop()
 
 

@@ -8,7 +8,7 @@ from summary import mark
 
 # The issue's bars.
 WHOLE_CACHED = 0.95
-TTFT_RATIO = 0.8
+TTFT_RATIO = 0.9  # issue 46, at the defaults (issue 34 asked 0.8 of a per-slot replica)
 WALL_RATIO = 0.9
 TIER_SLACK = 1.1
 MB = 2**20
@@ -68,8 +68,12 @@ def conversation_lines(section: dict[str, Any]) -> list[str]:
     tm, ls = servers.get("tokenmill"), servers.get("llama-server")
     if tm and ls:
         t = ratio(tm["later_ttft_p50_ms"], ls["later_ttft_p50_ms"])
+        mean = ratio(tm.get("later_ttft_mean_ms"), ls.get("later_ttft_mean_ms"))
         w = ratio(tm["wall_p50_s"], ls["wall_p50_s"])
-        lines.append(f"  tokenmill / llama-server: later-turn TTFT p50 {fmt(t)}x, wall {fmt(w)}x")
+        lines.append(
+            f"  tokenmill / llama-server: later-turn TTFT p50 {fmt(t)}x, mean {fmt(mean)}x, "
+            f"wall {fmt(w)}x"
+        )
     lines.append(
         "  whole cached: later turns whose cached_tokens >= the previous turn's prompt_tokens"
     )

@@ -14,10 +14,11 @@ from .workload import REPLICAS, percentile
 def decision_cost(iterations: int, slots: int) -> dict[str, Any]:
     """What routing a 300-token prompt costs in the gateway, in microseconds: the chain,
     the index lookups over 2 replicas' slots (blocks held, sequences continued), the
-    views and ``CacheAware.choose``."""
+    views, the routing history's recall and record, and ``CacheAware.choose``."""
     from tokenmill.gateway.prefix import PrefixIndex
     from tokenmill.gateway.routing import ReplicaView, RouteQuery
     from tokenmill.gateway.routing.cache_aware import CacheAware
+    from tokenmill.gateway.routing.history import RouteHistory
     from tokenmill.kvblocks import BLOCK_TOKENS, chain
 
     rng = random.Random(26)
@@ -28,6 +29,7 @@ def decision_cost(iterations: int, slots: int) -> dict[str, Any]:
         index.reset(replica, held)
     prompt = system + [rng.randrange(49_000) for _ in range(50)]
     policy = CacheAware()
+    history = RouteHistory()  # the session memory the deployment keeps beside it
     samples: list[float] = []
     for k in range(iterations):
         began = time.perf_counter()
@@ -49,9 +51,10 @@ def decision_cost(iterations: int, slots: int) -> dict[str, Any]:
             )
             for r in range(REPLICAS)
         ]
-        policy.choose(
-            views, RouteQuery(prompt_tokens=len(prompt), max_tokens=32, session=f"s{k % 64}")
+        query = history.recall(
+            RouteQuery(prompt_tokens=len(prompt), max_tokens=32, session=f"s{k % 64}")
         )
+        history.record(query, policy.choose(views, query))
         samples.append(time.perf_counter() - began)
     micro = [s * 1e6 for s in samples]
     return {

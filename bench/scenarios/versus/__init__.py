@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
+import httpx
 from load import interleaved, log_run
 from probes import HealthProbe, health_summary, memory_mb
 from scenario import Bench
@@ -60,6 +62,13 @@ class Versus:
             help=f"skip tokenmill's c={SLOTS} runs with logprobs (top {logprobs.TOP})",
         )
         parser.add_argument(
+            "--peer-file",
+            choices=["served", "shipped"],
+            default="served",
+            help="the file llama-server reads: the one tokenmill serves (its weights key: "
+            "Q8_0 made from the shipped file by default), or the shipped GGUF",
+        )
+        parser.add_argument(
             "--second-turns",
             type=int,
             default=4,
@@ -86,11 +95,16 @@ class Versus:
             if not args.no_ceiling:
                 log("in-process ceiling: the engine alone, loaded beside the servers")
                 the_ceiling = Ceiling(bench.max_tokens, args.threads)
-            servers.append(tokenmill_server("tokenmill", bench.tmp))
-            servers.append(llama_server(binary, bench.gguf, args.threads, bench.tmp))
+            tm = tokenmill_server("tokenmill", bench.tmp)
+            servers.append(tm)
+            tm.start()
+            peer = served_file(tm) if args.peer_file == "served" else bench.gguf
+            bench.results["peer_file"] = peer.name
+            log(f"llama-server reads {peer}")
+            servers.append(llama_server(binary, peer, args.threads, bench.tmp))
             if SLOTS in bench.results["levels"] and not args.no_metrics_cost:
                 servers.append(metrics_cost.server(bench.tmp))
-            for s in servers:
+            for s in servers[1:]:
                 s.start()
             measure_all(bench, servers, the_ceiling)
         finally:
@@ -116,6 +130,12 @@ class Versus:
 
 
 SCENARIO = Versus()
+
+
+def served_file(server: Server) -> Path:
+    """The model file ``server``'s replica loads (its weights key applied)."""
+    status = httpx.get(f"{server.url}/v1/deployments/{server.model}", timeout=30.0).json()
+    return Path(status["replicas"][0]["weights"]["served"])
 
 
 def measure_all(bench: Bench, servers: list[Server], the_ceiling: Ceiling | None) -> None:
