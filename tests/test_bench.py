@@ -583,3 +583,65 @@ def test_tracing_runs_in_a_plain_make_bench_and_marks_the_issue_target() -> None
     assert "MISS on/off tok/s at c=16 0.950x (>= 0.97x)" in got["not_met"]
     assert got["sink"] == [200, 1, 10]
     assert got["off_ns"] > 0
+
+
+def test_agents_runs_alone_and_its_proxy_measures_a_sessions_main_request(
+    server: ServerProcess,
+) -> None:
+    got = bench_python(
+        f"""
+        import json
+        import httpx
+        from run import chosen, parser
+        from scenarios.agents import SCENARIO, Proxy
+
+        def names(*argv):
+            scenarios, out = chosen(parser().parse_args(list(argv)))
+            return [s.name for s in scenarios], out
+
+        tool = {{"name": "shell", "description": "Run a command",
+                 "input_schema": {{"type": "object", "properties": {{}}}}}}
+        proxy = Proxy({server.url!r}, 8)
+        proxy.session()
+        # A request without tools (a title, a quota check) passes untouched.
+        small = httpx.post(f"{{proxy.url}}/v1/messages", json={{
+            "model": "smollm2", "max_tokens": 5,
+            "messages": [{{"role": "user", "content": "Hi"}}]}}, timeout=120)
+        body = {{"model": "smollm2", "max_tokens": 200, "stream": True, "tools": [tool],
+                "messages": [{{"role": "user", "content": "Say hello to the world."}}]}}
+        with httpx.stream("POST", f"{{proxy.url}}/v1/messages", json=body, timeout=120) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        main = proxy.main
+        # (The proxy marks the request ended after relaying its last byte: wait for it.)
+        ended = main.ended.wait(60)
+        proxy.close()
+        last = [json.loads(e[5:]) for e in events if '"message_delta"' in e][0]
+
+        def session(prompt, cached, ttft, phase):
+            return {{"path": "/v1/messages", "status": 200, "ttft_s": ttft,
+                     "prompt_tokens": prompt, "cached_tokens": cached, "phase": phase}}
+
+        table = SCENARIO.table({{"model_file": "m.gguf", "agents": {{"claude": {{"sessions": [
+            session(20000, 0, 300.0, "fresh server"),
+            session(20000, 19000, 30.0, "same server"),
+            session(20000, 12000, 90.0, "restarted server")]}}}}}})
+        print(json.dumps({{
+            "plain": names(), "only": names("--only-agents"),
+            "small": small.json()["usage"]["output_tokens"],
+            "main": main.record(), "ended": ended,
+            "output_tokens": last["usage"]["output_tokens"], "table": table,
+        }}))
+        """
+    )
+    assert "agents" not in got["plain"][0]  # minutes of real CLIs: only when asked
+    assert got["only"] == [["agents"], "agents.json"]
+    assert got["small"] <= 5
+    main = got["main"]
+    assert main["path"] == "/v1/messages" and main["status"] == 200 and got["ended"]
+    assert main["ttft_s"] is not None and main["ttft_s"] > 0
+    assert main["prompt_tokens"] > 0 and main["cached_tokens"] is not None
+    assert got["output_tokens"] <= 8  # the proxy bounded the main request's answer
+    assert "PASS claude session 2 cached 95.0% (>= 80%)" in got["table"]
+    assert "PASS claude session 2 TTFT 0.100x session 1's (<= 0.2x)" in got["table"]
+    assert "MISS claude session 3 cached 60.0% (>= 80%)" in got["table"]
+    assert "MISS claude session 3 TTFT 0.300x session 1's (<= 0.2x)" in got["table"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from scenario import Scenario
 
 from . import (
+    agents,
     autoscale,
     batch,
     constrained,
@@ -40,4 +41,5 @@ SCENARIOS: tuple[Scenario, ...] = (
     weights.SCENARIO,
     kvdrift.SCENARIO,
     tracing.SCENARIO,
+    agents.SCENARIO,
 )
