@@ -8,16 +8,22 @@ decodes it, samples every choice (:mod:`.outputs`) and hands the step's chunks t
 the sink in one call. ctypes releases the GIL inside llama.cpp, so the event loop
 keeps serving while a step runs. Between steps it runs a bounded batch of embedding
 inputs; when idle for ``WARM_AFTER_S`` after a chat's answer, that chat's next turn
-(:class:`~.slotcache.WarmUp`). Where each choice's KV cells go is :mod:`.kvslots`'s
-business.
+(:class:`~.slotcache.WarmUp`).
 
-In a unified KV pool (see :mod:`.context`) a step writes as many cells as it has rows,
-and the pool must have them: a request is admitted when its prompts fit beside what
-runs, and a step that would overflow the pool first gives up cached cells of free
-slots, then swaps the newest running choices out to host memory (preemption by swap:
-their cells are parked, their slots stay theirs, and they resume, bit for bit where
-they stopped, before anything new is admitted). Nothing a choice has generated or
-will be billed for changes by it.
+The loop schedules and steps; its parts do the rest, each the one writer of its
+fields of a :class:`~.choices.Choice`:
+
+* :mod:`.kvslots` places each choice's KV cells (``slot``, ``cached``);
+* :mod:`.swapper` keeps a shared pool from overflowing: a step that would first gives
+  up cached cells of free slots, then swaps the newest running choices out to host
+  memory and resumes them, bit for bit where they stopped, before anything new is
+  admitted (``swapped``);
+* :mod:`.speculator` plans each step's drafts, verifies them and weighs them by the
+  measured step costs (``spec``, ``draft``);
+* the loop itself advances each choice (``n_past``, ``generated``, ``last_token``,
+  ``done``, ``sampler``, ``followers``, ``leader``).
+
+Nothing a choice has generated or will be billed for changes by a swap or a draft.
 """
 
 from __future__ import annotations
@@ -39,16 +45,16 @@ from tokenmill.engines.llamacpp.batch import BatchPlan, plan_batch
 from tokenmill.engines.llamacpp.choices import Choice, Group
 from tokenmill.engines.llamacpp.context import LlamaContext
 from tokenmill.engines.llamacpp.counters import Counters
-from tokenmill.engines.llamacpp.drafting import plan_drafts, step_rows
 from tokenmill.engines.llamacpp.embedder import Embedder
 from tokenmill.engines.llamacpp.kvslots import KvSlots
 from tokenmill.engines.llamacpp.logits import LogitRow
 from tokenmill.engines.llamacpp.outputs import OutputRows
 from tokenmill.engines.llamacpp.prefill import RowCost
 from tokenmill.engines.llamacpp.sampling import build_sampler, only_greedy
+from tokenmill.engines.llamacpp.speculator import Events, Speculator
+from tokenmill.engines.llamacpp.swapper import Swapper
 from tokenmill.engines.llamacpp.threads import ThreadTuner
 from tokenmill.engines.logprobs import finite
-from tokenmill.engines.speculative import NgramIndex, Speculation, StepCosts, verify
 from tokenmill.errors import EngineError
 
 T = TypeVar("T")
@@ -71,8 +77,6 @@ YIELD_S = 10.0
 # arrives well before this and is never kept waiting by it.
 WARM_AFTER_S = 0.2
 
-# One step's chunks (or errors), by the choice they belong to.
-Events = list[tuple[Choice, Chunk | BaseException]]
 # Where they go: (request id, chunk or error), one call per step.
 Post = Callable[[list[tuple[str, Chunk | BaseException]]], None]
 
@@ -121,22 +125,25 @@ class DecodeLoop:
         # Speculative decoding (speculative = "ngram", or a request's own choice):
         # drafts by prompt lookup, verified in the step, as long as the measured costs
         # of ubatches (from the steps while drafting is on) say it pays.
-        self.speculate = speculate
-        # Every draft found is verified whole, whatever the costs (speculative_rule =
-        # "always"): what a test of drafting needs on any CPU.
-        self.always_draft = always_draft
-        self.step_costs = StepCosts(unified=context.unified, n_ubatch=context.batch_cap)
+        self.speculator = Speculator(
+            context, kv.cache, counters, speculate=speculate, always=always_draft
+        )
         # What a step costs by its rows: how many prompt tokens fit a step's budget.
         self.row_cost = RowCost()
         self._requests = RequestQueue()  # guarded by cv
         self._aborts: set[str] = set()
         self.running: dict[str, Choice] = {}  # by key, in arrival order
-        # Choices swapped out of a full pool, in the order they were (see _fit_pool).
-        self.swapped: dict[str, Choice] = {}
+        # Choices swapped out of a full pool, and the moves in and out (swapper.py).
+        self.swapper = Swapper(context, kv, counters)
         self._stop = False
         self.failed: BaseException | None = None
         # Work for the decode thread between two steps (see call()); guarded by cv.
         self._jobs: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+
+    @property
+    def swapped(self) -> dict[str, Choice]:
+        """Choices swapped out of a full pool, by key, in the order they were."""
+        return self.swapper.swapped
 
     @property
     def waiting(self) -> int:
@@ -217,7 +224,7 @@ class DecodeLoop:
                 if self._jobs:
                     self._run_jobs()
                 if self.swapped:
-                    self._resume()
+                    self.swapper.resume(self.running)
                 with cv:
                     admitted = self._admit_locked()
                     aborts: set[str] = _NO_ABORTS
@@ -233,9 +240,7 @@ class DecodeLoop:
                     self.kv.assign(seq, pending=waiting, fills=fills)
                     seq.sampler = build_sampler(seq.sampling, self.context.vocab.n_tokens)
                     seq.greedy = only_greedy(seq.sampling)
-                    wanted = seq.sampling.speculative
-                    if self.speculate if wanted is None else wanted:
-                        seq.spec = Speculation(NgramIndex(seq.prompt))
+                    self.speculator.start(seq)
                     self.running[seq.key] = seq
                 for rid in aborts:
                     self._abort(rid, events)
@@ -303,70 +308,6 @@ class DecodeLoop:
             cells = self.context.pool_tokens - busy
         return self._requests.admit(self.cache.free_slots(), now=time.monotonic(), cells=cells)
 
-    # -- a full pool: preemption by swap -------------------------------------------------
-
-    def _fit_pool(self, chunk: int) -> int:
-        """Make the pool hold this step's cells; returns the rows it may have.
-
-        A token for every decoding choice, and a prompt ``chunk``: cached cells of free
-        slots are given up for them; if that is not enough for the decoding choices
-        and one prompt token, the newest running choices are swapped out.
-        """
-        kv = self.kv
-        while True:
-            decoding = sum(1 for s in self.running.values() if s.prefilled)
-            prefilling = any(not s.prefilled and s.leader is None for s in self.running.values())
-            want = decoding + (chunk if prefilling else 0)
-            free = kv.free_cells()
-            if free >= want:  # (every step but those of a full pool: one sum, no search)
-                return free
-            if kv.make_room(want) or kv.make_room(decoding + prefilling):
-                return kv.free_cells()
-            victim = next(
-                (s for s in reversed(self.running.values()) if self.cache.slots[s.slot].tokens),
-                None,
-            )
-            if victim is None or len(self.running) == 1:
-                return kv.free_cells()  # nothing to give: what fits runs
-            self._swap_out(victim)
-
-    def _swap_out(self, seq: Choice) -> None:
-        slot = seq.slot
-        tokens = self.cache.slots[slot].tokens
-        state = self.context.save_seq(slot)
-        if state is None:
-            raise RuntimeError(f"llama.cpp gave no state for slot {slot} to swap out")
-        seq.swapped = self.kv.tier.park(
-            tokens, state, len(state), now=time.monotonic(), pinned=True
-        )
-        self.context.drop(slot, -1)
-        self.cache.truncate(slot, 0)
-        del self.running[seq.key]
-        self.swapped[seq.key] = seq
-        self.counters.preemptions += 1
-        log.info(
-            "request %s swapped out of a full KV pool (%d tokens)", seq.request_id, len(tokens)
-        )
-
-    def _resume(self) -> None:
-        """Swapped-out choices back into their slots, first out first in, while the
-        pool holds them and a step's tokens for what runs."""
-        kv, tier = self.kv, self.kv.tier
-        for key, seq in list(self.swapped.items()):
-            assert seq.swapped is not None
-            entry = tier.get(seq.swapped)
-            decoding = sum(1 for s in self.running.values() if s.prefilled)
-            if not kv.make_room(len(entry.tokens) + decoding + 1):
-                return
-            if not self.context.restore_seq(seq.slot, entry.state):
-                raise RuntimeError(f"llama.cpp refused slot {seq.slot}'s swapped-out cells")
-            tier.unpin(seq.swapped)
-            seq.swapped = None
-            self.cache.restore(seq.slot, entry.tokens)
-            del self.swapped[key]
-            self.running[key] = seq
-            self.counters.resumes += 1
-
     def _abort(self, request_id: str, events: Events) -> None:
         """End a cancelled request: every choice if it runs, or its place in the queue."""
         group = self._requests.running(request_id)
@@ -406,16 +347,8 @@ class DecodeLoop:
         capacity = context.batch_cap
         chunk = self._prompt_rows(capacity)
         if context.unified:
-            capacity = min(capacity, self._fit_pool(chunk))
-        # Only while a choice may draft: nothing of it on the steps of those that do not.
-        speculating = any(s.spec is not None for s in self.running.values())
-        if speculating:
-            plan_drafts(
-                self.running.values(),
-                self.step_costs,
-                n_ctx=context.n_ctx_seq,
-                always=self.always_draft,
-            )
+            capacity = min(capacity, self.swapper.fit(self.running, chunk))
+        speculating = self.speculator.plan(self.running.values())
         plan = plan_batch(self.running.values(), prefill_chunk=chunk, capacity=capacity)
         if not plan.rows:
             return
@@ -454,54 +387,19 @@ class DecodeLoop:
                 seq.followers = []
             drafts = plan.drafts.get(seq.key)
             if drafts:
-                self._verify(seq, [idx, *drafts], events)
+                self.speculator.verify(seq, [idx, *drafts], events, self._draw)
             else:
                 self._advance(seq, idx, logprobs, events)
             seq.draft = []
-        if (speculating or self.speculate) and not plan.prefills:
-            # The whole step, its planning and sampling too: what a draft's tokens
-            # save is steps, each of them all of this. Decode steps only: a prompt's
-            # rows want no logits, and cost less than the rows a draft adds.
-            self.step_costs.observe(step_rows(plan), time.monotonic() - begun)
+        self.speculator.observe(plan, time.monotonic() - begun, speculating)
 
-    def _verify(self, seq: Choice, idxs: list[int], events: Events) -> None:
-        """``seq``'s next token from output ``idxs[0]``, and while each is the draft
-        token that followed it, the next from the following row: every token written
-        is sampled by its own sampler chain from the logits after exactly the tokens
-        before it, so greedy answers are those without drafts (as far as llama.cpp
-        computes a row alike beside its draft: docs/operations.md) and sampled ones
-        are distributed as the model's (see tokenmill.engines.speculative). The cells
-        of the draft tokens not kept leave the slot before anything reads it."""
-        drafted, spec = seq.draft[: len(idxs) - 1], seq.spec
-        assert spec is not None
-        written: Events = []
-
-        def draw(i: int) -> int | None:
-            idx = idxs[i]
-            logprobs = None if seq.aligner is None else self.rows.row(idx)
-            token = self.rows.sample(seq, idx)
-            self._emit(seq, token, logprobs, written)
-            return None if seq.done else token
-
-        kept = verify(drafted, draw)
-        # The step's tokens of this choice leave as one delta: an event less a token
-        # kept on every hop to the client.
-        for item in written:
-            last = events[-1] if events and events[-1][0] is seq else None
-            joined = None
-            if last is not None and isinstance(last[1], Chunk) and isinstance(item[1], Chunk):
-                joined = last[1].then(item[1])
-            if joined is None:
-                events.append(item)
-            else:
-                events[-1] = (seq, joined)
-        if not seq.done:  # (an ended choice's slot kept only its record: KvSlots.release)
-            # The cells that stay: those the slot's record holds (the previous token's
-            # and the drafts kept).
-            self.context.drop(seq.slot, len(self.cache.slots[seq.slot].tokens))
-        spec.verified(len(drafted), kept)
-        self.counters.spec_drafted += len(drafted)
-        self.counters.spec_accepted += kept
+    def _draw(self, seq: Choice, idx: int, events: Events) -> int | None:
+        """A drafting choice's token from output ``idx``, written to ``events``; None
+        where the choice ended with it (see Speculator.verify)."""
+        logprobs = None if seq.aligner is None else self.rows.row(idx)
+        token = self.rows.sample(seq, idx)
+        self._emit(seq, token, logprobs, events)
+        return None if seq.done else token
 
     def _start_follower(self, seq: Choice, leader: Choice) -> None:
         """``leader`` has decoded the prompt: ``seq`` takes a copy of its KV cells.
@@ -614,10 +512,7 @@ class DecodeLoop:
         if reason == "stop" and not seq.stream.stopped:
             text += seq.stream.finish()
         self.running.pop(seq.key, None)
-        if seq.swapped is not None:  # cancelled while swapped out: its cells go
-            self.swapped.pop(seq.key, None)
-            self.kv.tier.unpin(seq.swapped, resumed=False)
-            seq.swapped = None
+        self.swapper.forget(seq)  # cancelled while swapped out: its cells go
         self.kv.release(seq.slot)
         if seq.sampler is not None:
             ll.llama_sampler_free(seq.sampler)
