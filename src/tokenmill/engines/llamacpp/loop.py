@@ -10,18 +10,21 @@ keeps serving while a step runs. Between steps it runs a bounded batch of embedd
 inputs; when idle for ``WARM_AFTER_S`` after a chat's answer, that chat's next turn
 (:class:`~.slotcache.WarmUp`).
 
-The loop schedules and steps; its parts do the rest, each the one writer of its
-fields of a :class:`~.choices.Choice`:
+The loop schedules and steps; its parts do the rest, and each field of a
+:class:`~.choices.Choice` has its writers named here:
 
-* :mod:`.kvslots` places each choice's KV cells (``slot``, ``cached``);
+* :mod:`.kvslots` places each choice's KV cells (``slot``, ``cached``, and ``n_past``
+  where the choice starts: the cached prefix);
 * :mod:`.swapper` keeps a shared pool from overflowing: a step that would first gives
   up cached cells of free slots, then swaps the newest running choices out to host
   memory and resumes them, bit for bit where they stopped, before anything new is
   admitted (``swapped``);
-* :mod:`.speculator` plans each step's drafts, verifies them and weighs them by the
-  measured step costs (``spec``, ``draft``);
-* the loop itself advances each choice (``n_past``, ``generated``, ``last_token``,
-  ``done``, ``sampler``, ``followers``, ``leader``).
+* :mod:`.speculator` plans each step's drafts (with :mod:`.drafting`; :mod:`.batch`
+  cuts a draft to the step's room), verifies them and weighs them by the measured
+  step costs (``spec``, ``draft``);
+* the loop itself advances each choice (``n_past`` from there on, ``generated``,
+  ``last_token``, ``done``, ``sampler``, ``greedy``, ``followers``, ``leader``);
+  :mod:`.admission` ends a request withdrawn from the queue (``done``).
 
 Nothing a choice has generated or will be billed for changes by a swap or a draft.
 """
@@ -390,8 +393,7 @@ class DecodeLoop:
                 self.speculator.verify(seq, [idx, *drafts], events, self._draw)
             else:
                 self._advance(seq, idx, logprobs, events)
-            seq.draft = []
-        self.speculator.observe(plan, time.monotonic() - begun, speculating)
+        self.speculator.end_step(plan, time.monotonic() - begun, speculating)
 
     def _draw(self, seq: Choice, idx: int, events: Events) -> int | None:
         """A drafting choice's token from output ``idx``, written to ``events``; None

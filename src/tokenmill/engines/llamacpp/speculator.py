@@ -97,9 +97,12 @@ class Speculator:
         self.counters.spec_drafted += len(drafted)
         self.counters.spec_accepted += kept
 
-    def observe(self, plan: BatchPlan, seconds: float, speculating: bool) -> None:
-        """A step took ``seconds``, its planning and sampling too: what a draft's
-        tokens save is steps, each of them all of this. Decode steps only: a prompt's
-        rows want no logits, and cost less than the rows a draft adds."""
+    def end_step(self, plan: BatchPlan, seconds: float, speculating: bool) -> None:
+        """A step took ``seconds``: its drafts are spent, and its cost is measured, its
+        planning and sampling too (what a draft's tokens save is steps, each of them
+        all of this). Decode steps only: a prompt's rows want no logits, and cost less
+        than the rows a draft adds."""
+        for seq, _ in plan.outputs:
+            seq.draft = []
         if (speculating or self.speculate) and not plan.prefills:
             self.costs.observe(step_rows(plan), seconds)
