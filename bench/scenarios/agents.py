@@ -42,8 +42,10 @@ AGENTS_BIN = ROOT / ".venv" / "agents" / "node_modules" / ".bin"
 MODEL = "smollm2-32k"
 # One step of a long prompt takes tens of seconds at 20k: past the default 30 s a
 # replica would count as wedged (as in tests/server/test_agent_clis.py).
+# The deployment docs/agent-apis.md documents: the embedded default (its weights as
+# served by default), at 32k.
 CONFIG = (
-    f'[[deployments]]\nid = "{MODEL}"\nmodel = "{{model}}"\nn_ctx = 32768\nmax_num_seqs = 2\n'
+    f'[[deployments]]\nid = "{MODEL}"\nn_ctx = 32768\nmax_num_seqs = 2\n'
     'rope_scaling = "yarn"\nrope_scale = 4.0\nyarn_orig_ctx = 8192\n'
     "health_check_timeout_s = 600\n"
 )
@@ -79,8 +81,11 @@ class Main:
 
 def _usage(event: dict[str, Any]) -> tuple[int, int] | None:
     """(prompt, cached) tokens from a Messages or Responses event that carries them."""
-    if event.get("type") == "response.completed":
-        u = event["response"]["usage"]
+    # (An answer cut by the bound ends as response.incomplete.)
+    if event.get("type") in ("response.completed", "response.incomplete", "response.failed"):
+        u = event["response"].get("usage")
+        if not u:
+            return None
         return u["input_tokens"], u["input_tokens_details"]["cached_tokens"]
     if event.get("type") == "message_delta" and "usage" in event:
         u = event["usage"]
@@ -110,6 +115,10 @@ class Proxy:
         self.main: Main | None = None
         self.requests = 0
         self.lock = threading.Lock()
+        # The upstream streams being relayed: closed with the proxy, so that a request
+        # of a stopped session (its next one, sent as the main one ended) is cancelled
+        # on the server instead of computing beside the next session's.
+        self.open: set[httpx.Response] = set()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -161,6 +170,8 @@ class Proxy:
                     handler.command, self.upstream + handler.path, headers=headers, content=body
                 ) as r,  # fmt: skip
             ):
+                with self.lock:
+                    self.open.add(r)
                 if watched is not None:
                     watched.status = r.status_code
                 handler.send_response(r.status_code)
@@ -177,9 +188,11 @@ class Proxy:
                     handler.wfile.flush()
                 handler.wfile.write(b"0\r\n\r\n")
                 handler.wfile.flush()
-        except (OSError, httpx.HTTPError):
-            pass  # the CLI went away (stopped once its main request ended)
+        except Exception:  # the CLI went away, or close() closed the stream under it
+            pass
         finally:
+            with self.lock:
+                self.open = {o for o in self.open if not o.is_closed}
             if watched is not None:
                 watched.ended.set()
 
@@ -200,6 +213,10 @@ class Proxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        with self.lock:
+            relayed, self.open = list(self.open), set()
+        for r in relayed:
+            r.close()
 
 
 def _argv(cli: str) -> list[str]:
@@ -294,7 +311,7 @@ class Agents:
         out: dict[str, Any] = {}
         bench.results[self.name] = out
         config = bench.tmp / "agents.toml"
-        config.write_text(CONFIG.format(model=bench.gguf))
+        config.write_text(CONFIG)
         for cli in str(bench.args.agents_clis).split(","):
             if not (AGENTS_BIN / cli).exists():
                 log(f"agents: {cli} is missing (make install puts it in {AGENTS_BIN})")
@@ -332,6 +349,8 @@ class Agents:
                     sessions.append(record)
             finally:
                 server.stop(timeout=120.0)  # its slots written to disk as it closes
+                # Each start's log apart (the next start of this name writes the file anew).
+                server.log_path.rename(server.log_path.with_suffix(f".{len(sessions)}.log"))
         return {"sessions": sessions}
 
     def table(self, results: dict[str, Any]) -> str | None:
@@ -340,7 +359,7 @@ class Agents:
             return None
         rows = [
             "",
-            f"agents: {results['model_file']} at 32k (YaRN), each CLI at its defaults, three "
+            "agents: the embedded default at 32k (YaRN), each CLI at its defaults, three "
             "sessions in fresh directories; the main (first tool-carrying) request of each",
             "",
             f"{'':<9} {'session':<22} {'prompt':>7} {'cached':>7} {'share':>6} "
