@@ -188,7 +188,7 @@ def test_predict_default_routes(client: httpx.Client) -> None:
     assert r.status_code == 200, r.text
     assert chat_text(r.json())  # a prompt on the chat route became a user message
     # Greedy: sampled, the model may end its count before max_tokens.
-    body = {"prompt": COUNTING, "max_tokens": 8, "temperature": 0}
+    body = {"prompt": COUNTING, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     r = client.post("/v1/deployments/texty/predict", json=body)
     assert r.status_code == 200, r.text
     assert completion_text(r.json())
@@ -284,7 +284,8 @@ def test_upstream_streams_with_the_upstreams_usage(
 
 
 def test_upstream_predict_and_errors(client: httpx.Client) -> None:
-    body = {"prompt": COUNTING, "max_tokens": 5, "temperature": 0}  # greedy: all 5 come
+    # ignore_eos (forwarded to the upstream): all 5 come, wherever the model would end.
+    body = {"prompt": COUNTING, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
     r = client.post("/v1/deployments/remote/predict", json=body)
     assert r.status_code == 200, r.text
     assert completion_text(r.json())
