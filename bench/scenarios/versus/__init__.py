@@ -9,7 +9,8 @@ medians go into the table with the ratios. Riding on those runs, in turn with th
 * ``metrics_cost``: tokenmill with ``TOKENMILL_METRICS=0`` at c=16 (``--no-metrics-cost``);
 * ``scenarios/logprobs``: each of tokenmill's c=16 runs has a twin with
   ``top_logprobs`` (``--no-logprobs-cost``);
-* ``GET /health`` timed during tokenmill's c=16 runs.
+* ``GET /health`` timed during tokenmill's c=16 runs;
+* ``baseline``: with ``--baseline-ref REF``, tokenmill from that git ref at every level.
 
 Then, on the same two servers: ``second_turn`` (``--second-turns``), ``shared_host``
 (``--busy``), ``memory`` and, with py-spy, a ``profile`` of one more c=16 run.
@@ -30,7 +31,7 @@ from servers import SLOTS, Server, llama_server, llama_server_binary, log, token
 from summary import Runs, by_level, summarize
 
 from .. import logprobs
-from . import ceiling, levels, memory, metrics_cost, profile, second_turn, shared_host
+from . import baseline, ceiling, levels, memory, metrics_cost, profile, second_turn, shared_host
 from .ceiling import Ceiling
 from .levels import first_token_targets, health_targets
 
@@ -69,6 +70,12 @@ class Versus:
             "Q8_0 made from the shipped file by default), or the shipped GGUF",
         )
         parser.add_argument(
+            "--baseline-ref",
+            default="",
+            help="also run tokenmill from this git ref (a worktree), interleaved at every "
+            "level, and report today's throughput over it (a refactoring's 'no slower')",
+        )
+        parser.add_argument(
             "--second-turns",
             type=int,
             default=4,
@@ -104,6 +111,8 @@ class Versus:
             servers.append(llama_server(binary, peer, args.threads, bench.tmp))
             if SLOTS in bench.results["levels"] and not args.no_metrics_cost:
                 servers.append(metrics_cost.server(bench.tmp))
+            if args.baseline_ref:
+                servers.append(baseline.server(bench.tmp, args.baseline_ref))
             for s in servers[1:]:
                 s.start()
             measure_all(bench, servers, the_ceiling)
@@ -112,6 +121,8 @@ class Versus:
                 the_ceiling.close()
             for s in servers:
                 s.stop()
+            if args.baseline_ref:
+                baseline.remove(bench.tmp)
 
     def table(self, results: dict[str, Any]) -> str | None:
         if "summary" not in results:
@@ -122,6 +133,7 @@ class Versus:
         rows += second_turn.lines(results)
         rows += ceiling.lines(results)
         rows += metrics_cost.lines(results)
+        rows += baseline.lines(results)
         rows += logprobs.lines(results.get("logprobs_cost"))
         rows += memory.lines(results)
         rows += ["", *(f"  {line}" for line in results["targets"])]
@@ -170,6 +182,8 @@ def measure_all(bench: Bench, servers: list[Server], the_ceiling: Ceiling | None
     results["contended_runs"] = by_level(contended)
     results["contended"] = summarize(contended)
     results["metrics_cost"] = metrics_cost.cost(runs)
+    if args.baseline_ref:
+        results["baseline"] = baseline.compare(runs, args.baseline_ref)
     results["logprobs_cost"] = logprobs.cost(runs)
     results["memory"] = memory.summary(mem, tm, bench.gguf, results["model_mb"])
     if health:
