@@ -64,6 +64,10 @@ KV_SERIES: dict[str, tuple[str, str]] = {
     "host_restores": ("counter", "Parked sequences restored into a slot (hits and resumes)."),
     "host_evictions": ("counter", "Parked sequences dropped, least recently used, for room."),
     "preemptions": ("counter", "Running sequences swapped out of a full KV pool."),
+    "span_trims": (
+        "counter",
+        "Free slots cut to what they share before a long prefill (a tight attention span).",
+    ),
     "exports": ("counter", "Sequences' KV states handed to another replica."),
     "imports": ("counter", "Sequences' KV states taken from another replica."),
     "spec_drafted": ("counter", "Draft tokens verified (speculative decoding)."),

@@ -27,7 +27,7 @@ from tests.engines.test_cache_publishing import Published, matches, settled
 from tests.engines.test_cache_publishing import parked as parked_chains
 from tests.engines.test_kv_copy import decode, small_pool
 from tokenmill.engines.base import GenerationRequest, SamplingParams, Usage
-from tokenmill.engines.llamacpp import LlamaCppEngine
+from tokenmill.engines.llamacpp import LlamaCppEngine, placement
 from tokenmill.errors import EngineError
 from tokenmill.kvblocks import chain
 
@@ -142,6 +142,36 @@ async def test_a_parked_conversation_continues_exactly_and_cached(
         assert usage.cached_tokens >= first, (usage, first)
 
 
+async def test_a_long_prefill_parks_the_free_slots_and_their_conversations_come_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefill long enough (here: a lowered ``SPAN_PREFILL_MIN``) parks what the other
+    free slots hold instead of reading past their cells; a parked conversation's next
+    turn is restored from host memory, whole, and says what it says without the cut."""
+
+    async def turns(eng: LlamaCppEngine) -> tuple[list[str], Usage]:
+        first, _ = await complete(eng, "first", opening("violins"), 8, ignore_eos=True)
+        # (its first token differs: it shares nothing, and takes the other slot)
+        unrelated = "Write about glaciers. " + opening("glaciers")
+        other, _ = await complete(eng, "other", unrelated, 4, ignore_eos=True)
+        follow = opening("violins") + first + " Another surprising fact is that"
+        second, usage = await complete(eng, "second", follow, 8, ignore_eos=True)
+        return [first, other, second], usage
+
+    shared = dict(kv_layout="shared", max_num_seqs=2, n_ctx=1024, kv_host_bytes=HOST)
+    async with engine(**shared) as eng:
+        expected, _ = await turns(eng)
+        assert eng.kv_stats()["span_trims"] == 0
+    monkeypatch.setattr(placement, "SPAN_PREFILL_MIN", 64)
+    async with engine(**shared) as eng:
+        got, usage = await turns(eng)
+        stats = eng.kv_stats()
+    # "other" (its prompt all new) cut "first"'s slot: parked, then restored whole.
+    assert stats["span_trims"] == 1 and stats["host_parks"] >= 1 and stats["host_hits"] >= 1
+    assert usage.cached_tokens >= usage.prompt_tokens - 8, usage
+    assert got == expected
+
+
 async def test_a_full_pool_swaps_streams_out_and_every_bill_stays_exact() -> None:
     prompts = [opening(t) for t in TOPICS]
 
@@ -182,8 +212,14 @@ async def test_a_long_prompt_is_answered_beside_short_streams_in_one_pool() -> N
     async with engine() as eng:
         stats = eng.kv_stats()
         assert stats["n_ctx"] == 8192 and stats["pool_unified"] == 1
-        short = [complete(eng, f"short-{i}", opening(t), 8) for i, t in enumerate(TOPICS * 4)]
-        results = await asyncio.gather(complete(eng, "long", long_prompt, 4), *short)
+        # ignore_eos: every answer runs to its max_tokens, wherever the model would end.
+        short = [
+            complete(eng, f"short-{i}", opening(t), 8, ignore_eos=True)
+            for i, t in enumerate(TOPICS * 4)
+        ]
+        results = await asyncio.gather(
+            complete(eng, "long", long_prompt, 4, ignore_eos=True), *short
+        )
     (_, long_usage), *shorts = results
     assert long_usage.prompt_tokens > 2048 + 500 and long_usage.completion_tokens == 4
     assert all(u.completion_tokens == 8 for _, u in shorts)

@@ -7,6 +7,7 @@ import pytest
 
 from tests.engines.test_slots import PROMPT, make, other
 from tokenmill.engines.llamacpp.placement import (
+    SPAN_PREFILL_MIN,
     DiskOffer,
     DiskRestored,
     HostOffer,
@@ -219,6 +220,58 @@ def test_a_refused_restore_reuses_nothing_and_counts_nothing() -> None:
         (),
     )
     assert back.plan.copy_from is None and back.plan.park_to is None
+
+
+# -- a tight span for a long prefill -----------------------------------------------
+
+LONG = list(range(100, 100 + SPAN_PREFILL_MIN + 400))
+
+
+def spread() -> list[Slot[str]]:
+    """Slot 0 runs; slot 1 is free and empty (it joins slot 0's run: the
+    destination); slot 2, free, holds LONG's first 100 tokens and a tail of its own
+    (the copy's source); slot 3, free, holds another conversation."""
+    tokens = {0: other(5), 2: LONG[:100] + other(50, 900), 3: other(30, 700)}
+    return make(4, busy=[0], tokens=tokens, used={2: 1.0, 3: 2.0})
+
+
+def test_a_long_prefill_cuts_the_free_slots_to_what_they_share_with_it() -> None:
+    got = place(spread(), LONG, room=ROOMY, tiers=True)
+    assert (got.dest, got.plan.copy_from, got.keep) == (1, 2, 100)
+    # The source keeps the prefix the destination shares (those cells stay anyway),
+    # the other free slot gives up all it holds; the running slot is not touched.
+    assert got.trim == ((2, 100), (3, 0))
+    # The same from a restored host entry: nothing is shared with any slot.
+    got = place(spread(), LONG, room=ROOMY, tiers=True, host=HostOffer(5, 300, 300))
+    assert (got.source, got.trim) == (Source.HOST, ((2, 0), (3, 0)))
+
+
+def test_a_short_prefill_or_no_host_tier_or_a_stream_per_slot_cuts_nothing() -> None:
+    # Fewer than SPAN_PREFILL_MIN tokens left to compute: the span costs less than
+    # parking would.
+    mostly_cached = LONG[: SPAN_PREFILL_MIN + 99]
+    assert place(spread(), mostly_cached, room=ROOMY, tiers=True).trim == ()
+    # Without the host tier what is cut would be lost, not parked.
+    assert place(spread(), LONG, room=ROOMY).trim == ()
+    # Every slot attends to a stream of its own.
+    assert place(spread(), LONG, room=Room(10_000, unified=False), tiers=True).trim == ()
+
+
+def test_slots_given_up_for_room_are_not_cut_again() -> None:
+    slots = spread()
+    slots[3].last_used = 0.5  # given up first
+    got = place(slots, LONG, room=Room(280), tiers=True, host=HostOffer(5, 300, 300))
+    assert (got.source, got.evict, got.trim) == (Source.HOST, (3,), ((2, 0),))
+
+
+def test_a_copy_source_given_up_for_a_restore_that_still_does_not_fit_is_not_copied() -> None:
+    # The host entry needs 300 cells: giving up slots 2 (the copy's source) and 3 frees
+    # 180. Slot 2's cells are gone, so nothing can be copied from it: the prompt is
+    # computed after the destination's own prefix (none), never after cells that are
+    # not there.
+    got = place(spread(), LONG, room=Room(0), tiers=True, host=HostOffer(5, 300, 300))
+    assert got.evict == (2, 3)
+    assert (got.source, got.plan.copy_from, got.keep, got.events) == (Source.NONE, None, 0, ())
 
 
 def test_no_free_slot_raises() -> None:

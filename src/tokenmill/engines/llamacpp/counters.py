@@ -19,6 +19,7 @@ class Counters:
     kv_copies: int = 0
     warmups: int = 0  # next turns computed ahead (see KvSlots.warm)
     pool_evictions: int = 0  # free slots' cached cells given up for room in the pool
+    span_trims: int = 0  # free slots cut to what they share before a long prefill
     preemptions: int = 0  # running choices swapped out of a full pool
     resumes: int = 0  # swapped-out choices back in the pool
     kv_exports: int = 0  # sequences' states handed to another replica

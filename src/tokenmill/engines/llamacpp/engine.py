@@ -587,6 +587,7 @@ class LlamaCppEngine:
             "pool_used_tokens": loaded.cache.used_tokens(),
             "pool_unified": int(context.unified),
             "pool_evictions": counters.pool_evictions,
+            "span_trims": counters.span_trims,
             "preemptions": counters.preemptions,
             "resumes": counters.resumes,
             "host_bytes": tier.used,

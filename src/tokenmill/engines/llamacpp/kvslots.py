@@ -274,6 +274,11 @@ class KvSlots:
         seq.slot = dest
         seq.n_past = keep
         seq.cached = keep
+        for index, kept in decision.trim:
+            self.park(index, slots[index].tokens[:kept])
+            context.drop(index, kept)
+            self.cache.truncate(index, kept)
+            self.counters.span_trims += 1
 
     def _give_up(self, slots: Sequence[int]) -> None:
         """Free slots ``slots``' cached cells go, in this order, for room in the pool
