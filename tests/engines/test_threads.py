@@ -122,6 +122,21 @@ def test_steps_are_compared_only_with_steps_of_their_size() -> None:
     assert tuner.current == 2 and tuner.switches == 0
 
 
+def test_long_steps_are_never_probed_and_take_the_count_short_steps_chose() -> None:
+    clock = Clock()
+    tuner = ThreadTuner(2, clock=clock)
+
+    # Prompt chunks of ~1 s (longer than PROBE_MAX_STEP_S): a probe would cost one.
+    def chunk(t: int, n: int) -> float:
+        return {2: 1.0, 1: 1.9}[t]
+
+    assert run(tuner, clock, chunk, 200, n_tokens=512) == [2] * 200
+    # Contention, seen on the short steps, moves every size to one thread.
+    run(tuner, clock, contended, 2_000)
+    assert tuner.current == 1
+    assert run(tuner, clock, chunk, 10, n_tokens=512) == [1] * 10
+
+
 def test_a_single_core_never_probes() -> None:
     clock = Clock()
     tuner = ThreadTuner(1, clock=clock)

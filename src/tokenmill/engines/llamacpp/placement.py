@@ -28,8 +28,8 @@ The slot, the copy and the parking of what the slot loses in another slot are
   up for a room check that then fails stay given up.
 * **A tight span for a long prefill**: llama.cpp's attention in a unified pool reads
   every cell up to the highest one in use, whichever sequence holds it (the mask
-  drops the others' from the result, not from the work: each costs every prompt row
-  about what one of its own does, ``SPAN_PREFILL_MIN``'s measurement). Before ``SPAN_PREFILL_MIN`` or more
+  drops the others' cells from the result, not from the work: each still costs every
+  prompt row, as measured at ``SPAN_PREFILL_MIN``). Before ``SPAN_PREFILL_MIN`` or more
   prompt tokens are computed, with the host tier on, every other free slot gives up
   the cells it does not share with ``dest`` (:attr:`KvPlacement.trim`; parked in host
   memory first, so nothing cached is lost): the new tokens then fill the cells freed

@@ -11,9 +11,10 @@ thread gives 37.4 tok/s at 16.6 ms; quiet, 2 threads give 119 tok/s and one 71.
 So the thread count is not a constant. :class:`ThreadTuner` picks it per step from
 how long recent steps of the same size took: it keeps using the count that was
 fastest, and now and then (rarely while nothing changes, at once when step times
-move) tries a neighbouring count for a couple of steps. It is pure policy: the
-engine tells it what each step cost and asks what to use next; it never touches
-llama.cpp, and it is tested with made-up timings.
+move) tries a neighbouring count for a couple of steps: of a size whose steps are
+short (decode steps), never of a prompt chunk's, which takes the count chosen there.
+It is pure policy: the engine tells it what each step cost and asks what to use
+next; it never touches llama.cpp, and it is tested with made-up timings.
 
 :func:`available_cpus` is the ceiling: the CPUs this process may run on (its
 affinity mask) and, under a cgroup CPU quota (a container's ``--cpus``), no more
@@ -43,6 +44,12 @@ SWITCH_MARGIN = 0.9
 # machine at one stream pays ~12 ms once per 16 s for probing one thread (< 0.1 %).
 PROBE_INTERVAL_MIN_S = 0.5
 PROBE_INTERVAL_MAX_S = 16.0
+# No probe on a step size whose steps take longer than this: a prompt chunk of 512
+# tokens takes ~1 s here, and a probe with one thread fewer costs a whole slow step
+# (measured: a second ~1,900-token prompt on a fresh replica read in 7.2 s against
+# 4.1 s for the first, 4.9 s with the count fixed). Such steps take the count the
+# short steps chose: the contention a probe looks for slows every size alike.
+PROBE_MAX_STEP_S = 0.1
 # Step times that moved by this factor since the last probe mean the machine changed
 # (other work started or stopped): probe again soon.
 CHANGE_FACTOR = 1.5
@@ -134,6 +141,8 @@ class ThreadTuner:
             return self.current
         if self._samples.get((self.current, n_tokens), 0) < MIN_SAMPLES:
             return self.current
+        if self._avg.get((self.current, n_tokens), 0.0) > PROBE_MAX_STEP_S:
+            return self.current  # a probe would cost a whole slow step
         other = self._neighbour()
         self._probe = _Probe(other, n_tokens)
         return other
