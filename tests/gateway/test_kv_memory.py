@@ -46,6 +46,7 @@ SERIES = {
             "host_restores",
             "host_evictions",
             "preemptions",
+            "span_trims",
             "exports",
             "imports",
             "spec_drafted",

@@ -70,6 +70,13 @@ class Versus:
             "Q8_0 made from the shipped file by default), or the shipped GGUF",
         )
         parser.add_argument(
+            "--peer-kv",
+            choices=["streams", "unified"],
+            default="streams",
+            help="llama-server's KV layout: a stream per slot (its default for -np 16 -c "
+            "32768), or one pool all slots share (--kv-unified, tokenmill's default layout)",
+        )
+        parser.add_argument(
             "--baseline-ref",
             default="",
             help="also run tokenmill from this git ref (a worktree), interleaved at every "
@@ -108,7 +115,9 @@ class Versus:
             peer = served_file(tm) if args.peer_file == "served" else bench.gguf
             bench.results["peer_file"] = peer.name
             log(f"llama-server reads {peer}")
-            servers.append(llama_server(binary, peer, args.threads, bench.tmp))
+            extra = ["--kv-unified"] if args.peer_kv == "unified" else []
+            bench.results["peer_kv"] = args.peer_kv
+            servers.append(llama_server(binary, peer, args.threads, bench.tmp, extra=extra))
             if SLOTS in bench.results["levels"] and not args.no_metrics_cost:
                 servers.append(metrics_cost.server(bench.tmp))
             if args.baseline_ref:

@@ -23,10 +23,12 @@ C1_TTFT_DIFF_STRICT_MS = 2.0
 
 
 def table_lines(results: dict[str, Any]) -> list[str]:
+    layout = "one unified KV pool" if results.get("peer_kv") == "unified" else "a KV stream a slot"
     rows = [
         "",
         f"tokenmill vs llama-server: {results['model_file']} ({results['model_mb']:.0f} MB) "
-        f"shipped, llama-server reading {results.get('peer_file', results['model_file'])}, "
+        f"shipped, llama-server reading {results.get('peer_file', results['model_file'])} "
+        f"({layout}), "
         f"{results['threads']} threads, {SLOTS} slots x {N_CTX} tokens, "
         f"max_tokens {results['max_tokens']}, {results['reps']} runs each (medians)",
         plan_line(results["levels"], results["max_tokens"], results["lockstep"]),

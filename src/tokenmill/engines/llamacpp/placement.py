@@ -32,7 +32,7 @@ The slot, the copy and the parking of what the slot loses in another slot are
   prompt row, as measured at ``SPAN_PREFILL_MIN``). Before ``SPAN_PREFILL_MIN`` or more
   prompt tokens are computed, with the host tier on, every other free slot gives up
   the cells it does not share with ``dest`` (:attr:`KvPlacement.trim`; parked in host
-  memory first, so nothing cached is lost): the new tokens then fill the cells freed
+  memory first, as a slot given up for room is): the new tokens then fill the cells freed
   below the highest instead of reading past them, and the prefill costs what it does
   on a fresh replica. A copy's source keeps the prefix ``dest`` shares (those cells
   stay anyway).
