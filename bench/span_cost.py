@@ -5,7 +5,7 @@ At llama.cpp's C API (through :class:`~tokenmill.engines.llamacpp.context.LlamaC
 sequence 0 holds 2,048 tokens; a 512-row chunk of it is timed alone and with 4,096
 cells of sequence 1 in the pool above it, four times each, interleaved. Then sequence
 0's state is saved and restored five times. ``python bench/span_cost.py [GGUF]``
-(default: the file the embedded deployment serves, once converted).
+(default: the file the embedded deployment serves).
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ import sys
 import time
 from pathlib import Path
 
+from tokenmill.config.settings import default_data_dir
+from tokenmill.engines.embedded import embedded_model_path
 from tokenmill.engines.llamacpp.context import LlamaContext
+from tokenmill.engines.llamacpp.weights import served_weights
 
 CACHED, CHUNK, FOREIGN = 2048, 512, 4096
 
 
 def served_file() -> Path:
-    found = sorted((Path.home() / ".local/share/tokenmill/weights").glob("*.q8_0.gguf"))
-    if not found:
-        sys.exit("no converted file: start `tokenmill serve` once, or name a GGUF")
-    return found[0]
+    """The file the embedded deployment serves at its defaults (made if not cached)."""
+    weights = default_data_dir() / "weights"
+    return served_weights(embedded_model_path(), None, weights, embedded=True).served
 
 
 def fill(context: LlamaContext, rows: list[tuple[int, int, int]]) -> None:

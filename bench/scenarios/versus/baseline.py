@@ -13,16 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from servers import ROOT, Server, log, tokenmill_server
-from summary import Runs, median, summarize
+from summary import Runs, summarize
 
 NAME = "tokenmill-baseline"
 
 
 def server(tmp: Path, ref: str) -> Server:
     """``tokenmill serve`` from a fresh worktree of ``ref`` under ``tmp``."""
+    remove(tmp)
     tree = tmp / "baseline-tree"
-    if tree.exists():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)])
     subprocess.run(
         ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref],
         check=True,
@@ -45,33 +44,24 @@ def remove(tmp: Path) -> None:
 
 
 def compare(runs: Runs, ref: str) -> dict[str, Any] | None:
-    """Per level: median output tok/s and TTFT p50 of today's tokenmill and the
-    baseline's, and today's over the baseline's."""
-    base = runs.get(NAME)
-    if not base:
+    """Per level: today's tokenmill and the baseline's medians (output tok/s, TTFT p50),
+    today's over the baseline's, and each against llama-server."""
+    if not runs.get(NAME):
         return None
-    out: dict[str, Any] = {"ref": ref, "levels": {}}
-    peers: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
-    if "llama-server" in runs:
-        peers = (summarize(runs), summarize(runs, NAME))
-    for c, runs_base in sorted(base.items()):
-        now = runs["tokenmill"].get(c)
-        if not now:
-            continue
-        tok_now = median(now, "output_tokens_per_s")
-        tok_base = median(runs_base, "output_tokens_per_s")
-        ttft_now = median(now, "ttft_ms", "p50")
-        ttft_base = median(runs_base, "ttft_ms", "p50")
-        out["levels"][str(c)] = {
-            "tok_s": [tok_now, tok_base],
-            "ratio": round(tok_now / tok_base, 3) if tok_base else 0.0,
-            "ttft_p50_ms": [ttft_now, ttft_base],
-            "runs_now": [r["output_tokens_per_s"] for r in now],
-            "runs_base": [r["output_tokens_per_s"] for r in runs_base],
-            # each against llama-server, as the versus table reports today's
-            "vs_llama_server": [p.get(str(c), {}).get("tok_s_ratio") for p in peers],
+    against = summarize(runs, base=NAME)
+    peers = (summarize(runs), summarize(runs, NAME)) if "llama-server" in runs else ({}, {})
+    levels: dict[str, Any] = {}
+    for c, row in against.items():
+        now, base = row["tokenmill"], row[NAME]
+        levels[c] = {
+            "tok_s": [now["tok_s"], base["tok_s"]],
+            "ratio": row["tok_s_ratio"],
+            "ttft_p50_ms": [now["ttft_p50_ms"], base["ttft_p50_ms"]],
+            "runs_now": now["tok_s_runs"],
+            "runs_base": base["tok_s_runs"],
+            "vs_llama_server": [p.get(c, {}).get("tok_s_ratio") for p in peers],
         }
-    return out
+    return {"ref": ref, "levels": levels}
 
 
 def lines(results: dict[str, Any]) -> list[str]:

@@ -275,19 +275,22 @@ class KvSlots:
         seq.n_past = keep
         seq.cached = keep
         for index, kept in decision.trim:
-            self.park(index, slots[index].tokens[:kept])
-            context.drop(index, kept)
-            self.cache.truncate(index, kept)
+            self._cut(index, kept)
             self.counters.span_trims += 1
 
     def _give_up(self, slots: Sequence[int]) -> None:
         """Free slots ``slots``' cached cells go, in this order, for room in the pool
         (each parked in host memory first if worth it)."""
         for index in slots:
-            self.park(index, ())
-            self.context.drop(index, -1)
-            self.cache.truncate(index, 0)
+            self._cut(index, 0)
             self.counters.pool_evictions += 1
+
+    def _cut(self, index: int, keep: int) -> None:
+        """Free slot ``index`` keeps only its first ``keep`` tokens' cells; what it held
+        is parked in host memory first if worth it."""
+        self.park(index, self.cache.slots[index].tokens[:keep])
+        self.context.drop(index, keep)
+        self.cache.truncate(index, keep)
 
     def _count(self, events: Sequence[Event]) -> None:
         """Count what a carried-out placement did (:data:`~.placement.Event`)."""
