@@ -122,7 +122,7 @@ def test_steps_are_compared_only_with_steps_of_their_size() -> None:
     assert tuner.current == 2 and tuner.switches == 0
 
 
-def test_long_steps_are_never_probed_and_take_the_count_short_steps_chose() -> None:
+def test_long_steps_never_try_fewer_threads_and_take_the_count_short_steps_chose() -> None:
     clock = Clock()
     tuner = ThreadTuner(2, clock=clock)
 
@@ -134,7 +134,33 @@ def test_long_steps_are_never_probed_and_take_the_count_short_steps_chose() -> N
     # Contention, seen on the short steps, moves every size to one thread.
     run(tuner, clock, contended, 2_000)
     assert tuner.current == 1
-    assert run(tuner, clock, chunk, 10, n_tokens=512) == [1] * 10
+
+    # It lasts: chunks with both threads are slower still. They keep one thread and try
+    # two at most once in SLOW_PROBE_GAP_STEPS of their steps.
+    def contended_chunk(t: int, n: int) -> float:
+        return {2: 4.0, 1: 1.9}[t]
+
+    used = run(tuner, clock, contended_chunk, 10 * th.SLOW_PROBE_GAP_STEPS, n_tokens=512)
+    assert tuner.current == 1
+    assert 1 <= used.count(2) <= 10 + 1
+
+
+def test_a_long_prompt_gets_every_thread_back_once_the_contention_has_gone() -> None:
+    # Issue 49: contention on the short steps (the agent CLI starting beside the
+    # server) chose one thread, then a 2,400-token prompt ran at half speed, since no
+    # short step came while it was read to notice the contention had ended.
+    clock = Clock()
+    tuner = ThreadTuner(2, clock=clock)
+    run(tuner, clock, contended, 2_000)
+    assert tuner.current == 1
+
+    def chunk(t: int, n: int) -> float:  # quiet again
+        return {2: 1.0, 1: 1.9}[t]
+
+    used = run(tuner, clock, chunk, 30, n_tokens=512)
+    assert used[0] == 1 and used[-10:] == [2] * 10
+    assert used.count(1) <= 1 + th.PROBE_INTERVAL_MAX_S / 1.9 + 1
+    assert tuner.current == 2
 
 
 def test_a_single_core_never_probes() -> None:

@@ -12,7 +12,9 @@ So the thread count is not a constant. :class:`ThreadTuner` picks it per step fr
 how long recent steps of the same size took: it keeps using the count that was
 fastest, and now and then (rarely while nothing changes, at once when step times
 move) tries a neighbouring count for a couple of steps: of a size whose steps are
-short (decode steps), never of a prompt chunk's, which takes the count chosen there.
+short (decode steps). A prompt chunk's size takes the count chosen there, and never
+tries fewer; where that count is below every thread it tries one more now and then
+(the contention that chose it may have ended during a long prompt).
 It is pure policy: the engine tells it what each step cost and asks what to use
 next; it never touches llama.cpp, and it is tested with made-up timings.
 
@@ -44,12 +46,19 @@ SWITCH_MARGIN = 0.9
 # machine at one stream pays ~12 ms once per 16 s for probing one thread (< 0.1 %).
 PROBE_INTERVAL_MIN_S = 0.5
 PROBE_INTERVAL_MAX_S = 16.0
-# No probe on a step size whose steps take longer than this: a prompt chunk of 512
-# tokens takes ~1 s here, and a probe with one thread fewer costs a whole slow step
+# No probe with fewer threads on a step size whose steps take longer than this: a
+# prompt chunk of 512 tokens takes ~1 s here, and such a probe costs a whole slow step
 # (measured: a second ~1,900-token prompt on a fresh replica read in 7.2 s against
 # 4.1 s for the first, 4.9 s with the count fixed). Such steps take the count the
 # short steps chose: the contention a probe looks for slows every size alike.
 PROBE_MAX_STEP_S = 0.1
+# But a count the short steps chose may be stale: fewer threads chosen under
+# contention that ended while a long prompt is read (no short step comes to notice),
+# and then minutes of prompt run at half speed (measured, issue 49: a restarted
+# server read Claude Code's 2,400 new tokens in 135 s against 73 s). So slow steps
+# at fewer than every thread try one more, at most once in this many of their steps:
+# under contention that lasts, a failed try costs one slow step in this many.
+SLOW_PROBE_GAP_STEPS = 8
 # Step times that moved by this factor since the last probe mean the machine changed
 # (other work started or stopped): probe again soon.
 CHANGE_FACTOR = 1.5
@@ -139,11 +148,18 @@ class ThreadTuner:
             self._probe = None  # the batch changed size: the probe would compare nothing
         if len(self.counts) < 2 or self._clock() < self._next_probe:
             return self.current
-        if self._samples.get((self.current, n_tokens), 0) < MIN_SAMPLES:
+        key = (self.current, n_tokens)
+        if self._avg.get(key, 0.0) > PROBE_MAX_STEP_S:
+            # Slow steps: never fewer threads (a whole slow step lost); one more where
+            # the short steps chose fewer, in case their contention has gone.
+            i = self.counts.index(self.current)
+            if i == 0:
+                return self.current
+            other = self.counts[i - 1]
+        elif self._samples.get(key, 0) < MIN_SAMPLES:
             return self.current
-        if self._avg.get((self.current, n_tokens), 0.0) > PROBE_MAX_STEP_S:
-            return self.current  # a probe would cost a whole slow step
-        other = self._neighbour()
+        else:
+            other = self._neighbour()
         self._probe = _Probe(other, n_tokens)
         return other
 
@@ -153,7 +169,8 @@ class ThreadTuner:
         if probe is not None and threads == probe.threads and n_tokens == probe.n_tokens:
             probe.samples.append(seconds)
             current = self._avg.get((self.current, n_tokens), math.inf)
-            if len(probe.samples) >= PROBE_STEPS or seconds > current * CLEARLY_WORSE:
+            slow = current > PROBE_MAX_STEP_S  # one slow step decides
+            if len(probe.samples) >= PROBE_STEPS or slow or seconds > current * CLEARLY_WORSE:
                 self._conclude(probe)
             return
         if threads != self.current:
@@ -199,6 +216,9 @@ class ThreadTuner:
         else:
             self._interval = min(self._interval * 2, PROBE_INTERVAL_MAX_S)
             self._baseline[probe.n_tokens] = current_avg
+            if current_avg > PROBE_MAX_STEP_S:  # a slow size's try, not taken
+                self._next_probe = now + max(self._interval, SLOW_PROBE_GAP_STEPS * current_avg)
+                return
         self._next_probe = now + self._interval
 
 
