@@ -1,10 +1,11 @@
 """Agent sessions that start warm (issue 49): the real Claude Code and Codex CLIs on the
-embedded model at 32k (YaRN), three sessions each, each in a fresh working directory.
+embedded model at 32k (YaRN), four sessions each.
 
 For each CLI: session 1 on a fresh server (its first request read cold), session 2 on
 the same server, session 3 after that server is stopped and started again on the same
-data directory (the disk tier, on by default, holds what session 1 computed). The CLI
-speaks to the server through a proxy in this process, which finds each session's
+data directory (the disk tier, on by default, holds what session 1 computed), each in
+a fresh directory; session 4 in session 3's directory with another first message. The
+CLI speaks to the server through a proxy in this process, which finds each session's
 main request (the first that carries the agent's tools: not a title or a quota check)
 and reads from its stream the time to its first content event and its usage (prompt
 and cached tokens). The proxy bounds that request's answer (``max_tokens`` /
@@ -50,6 +51,13 @@ CONFIG = (
     "health_check_timeout_s = 600\n"
 )
 SESSION_LIMIT_S = 1800.0  # a session whose main request has not ended by then failed
+# Each server's sessions: (phase, working directory's number, first message). The
+# fourth is a new session in the third's directory with another first message: the
+# common case of a user's next session in the same project.
+PHASES = (
+    (("fresh server", 1, "Say hello"), ("same server", 2, "Say hello")),
+    (("restarted server", 3, "Say hello"), ("same project", 3, "Say hi")),
+)
 
 
 @dataclass
@@ -219,10 +227,10 @@ class Proxy:
             r.close()
 
 
-def _argv(cli: str) -> list[str]:
+def _argv(cli: str, message: str) -> list[str]:
     if cli == "claude":
-        return [str(AGENTS_BIN / "claude"), "-p", "Say hello"]
-    return [str(AGENTS_BIN / "codex"), "exec", "--skip-git-repo-check", "Say hello"]
+        return [str(AGENTS_BIN / "claude"), "-p", message]
+    return [str(AGENTS_BIN / "codex"), "exec", "--skip-git-repo-check", message]
 
 
 def _env(cli: str, home: Path, url: str) -> dict[str, str]:
@@ -253,13 +261,14 @@ def _env(cli: str, home: Path, url: str) -> dict[str, str]:
     return env | {"CODEX_HOME": str(codex_home)}
 
 
-def run_session(cli: str, proxy: Proxy, home: Path, work: Path) -> dict[str, Any]:
-    """One CLI session in ``work``, stopped once its main request has ended."""
-    work.mkdir(parents=True)
+def run_session(cli: str, proxy: Proxy, home: Path, work: Path, message: str) -> dict[str, Any]:
+    """One CLI session in ``work`` asked ``message``, stopped once its main request has
+    ended."""
+    work.mkdir(parents=True, exist_ok=True)
     proxy.session()
     started = time.monotonic()
     proc = subprocess.Popen(
-        _argv(cli),
+        _argv(cli, message),
         cwd=work,
         env=_env(cli, home, proxy.url),
         stdin=subprocess.DEVNULL,
@@ -332,16 +341,17 @@ class Agents:
         args = ("--config", str(config))
         shutil.rmtree(bench.tmp / f"data-agents-{cli}", ignore_errors=True)
         # The same name: the same data directory (and disk tier) after the restart.
-        for phases in (("fresh server", "same server"), ("restarted server",)):
+        for phases in PHASES:
             server = tokenmill_server(f"agents-{cli}", bench.tmp, args)
             server.start()
             try:
-                for phase in phases:
+                for phase, directory, message in phases:
                     proxy = Proxy(server.url, int(bench.args.agents_max_tokens))
                     try:
-                        work = bench.tmp / f"agents-{cli}-work-{len(sessions) + 1}"
-                        shutil.rmtree(work, ignore_errors=True)
-                        record = run_session(cli, proxy, home, work)
+                        work = bench.tmp / f"agents-{cli}-work-{directory}"
+                        if directory == len(sessions) + 1:  # a fresh one
+                            shutil.rmtree(work, ignore_errors=True)
+                        record = run_session(cli, proxy, home, work, message)
                     finally:
                         proxy.close()
                     record["phase"] = phase
@@ -360,7 +370,8 @@ class Agents:
         rows = [
             "",
             "agents: the embedded default at 32k (YaRN), each CLI at its defaults, three "
-            "sessions in fresh directories; the main (first tool-carrying) request of each",
+            "sessions in fresh directories and a fourth in the third's; the main (first "
+            "tool-carrying) request of each",
             "",
             f"{'':<9} {'session':<22} {'prompt':>7} {'cached':>7} {'share':>6} "
             f"{'TTFT s':>8} {'x 1st':>6}",

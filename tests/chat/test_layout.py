@@ -24,12 +24,13 @@ def test_text_without_session_lines_stays_as_it_is() -> None:
     assert split_system(blocks) == SystemSplit(stable, "")
 
 
-def test_sections_move_to_the_end_in_order_and_the_rest_closes_up() -> None:
+def test_sections_move_to_the_end_the_billing_header_last_and_the_rest_closes_up() -> None:
     text = f"\nYou code.\n\n{MEMORY}\n\n{ENVIRONMENT}\n\n# Context\nSummaries.\n\n{GIT}"
     header = "x-anthropic-billing-header: cc_version=2.1.197.7e2;"
     split = split_system([SystemBlock(header), SystemBlock("Agent."), SystemBlock(text, True)])
     assert split.stable == "Agent.\n\n\nYou code.\n\n# Context\nSummaries."
-    assert split.session == "\n\n".join([header, MEMORY, ENVIRONMENT, GIT])
+    # The header changes with every first message, the others with the project: last.
+    assert split.session == "\n\n".join([MEMORY, ENVIRONMENT, GIT, header])
 
 
 def test_blocks_after_the_last_breakpoint_move_whole() -> None:

@@ -82,13 +82,14 @@ def test_claude_codes_request_moves_only_its_session_lines_to_the_end_of_the_sys
     assert sent[0]["role"] == "system" and sent[1:] == stable[1:]
     before, after = sent[0]["content"], stable[0]["content"]
     assert sorted(paragraphs(before)) == sorted(paragraphs(after))  # the same text
-    # What moves (docs/agent-apis.md): the billing header (block 1), the # Memory and
-    # # Environment sections (block 3), the git status (block 3's end), in order.
+    # What moves (docs/agent-apis.md): the # Memory and # Environment sections (block
+    # 3), the git status (block 3's end), in order, then the billing header (block 1),
+    # which changes with every first message.
     moved = [
-        section(before, "x-anthropic-billing-header:", "\n\n"),
         section(before, "# Memory\n", "# Environment\n"),
         section(before, "# Environment\n", "# Context management\n"),
         section(before, "gitStatus: ", "\n\nYou can call the following tools"),
+        section(before, "x-anthropic-billing-header:", "\n\n"),
     ]
     tail = [p for m in moved for p in paragraphs(m)]
     assert paragraphs(after) == [p for p in paragraphs(before) if p not in tail] + tail

@@ -3,7 +3,8 @@ of the second session's first prompt is the first session's (issue 49).
 
 Each CLI (tests/server/test_agent_clis.py: Claude Code on the Messages API, Codex on the
 Responses API) runs twice with one HOME, as one user would: in ``project-a`` and then
-in ``project-b`` (a git repository), each session with its own first message, against
+in ``project-b`` (a git repository), each session with its own first message (Claude
+Code a third time in ``project-b``, with another message), against
 a scripted deployment (the test plays the model: tests/driver.py). A prompt's tokens
 are the scripted engine's words, so the first word where the second session's first
 prompt parts from the first session's is where a prefix cache stops serving it. The
@@ -40,7 +41,11 @@ from tests.server.test_agent_clis import (
 from tests.waiting import HANG_S
 
 # Each session's first message: a new session asks something else.
-FIRST_MESSAGES = (f"Run the shell command `{COMMAND}`", f"Please run `{COMMAND}` for me")
+FIRST_MESSAGES = (
+    f"Run the shell command `{COMMAND}`",
+    f"Please run `{COMMAND}` for me",
+    f"Could you run `{COMMAND}`?",
+)
 GIT = ["git", "-c", "user.name=tokenmill", "-c", "user.email=tests@tokenmill.invalid"]
 
 
@@ -115,18 +120,19 @@ def scripted(
     proxy.close()
 
 
-def two_sessions(
+def sessions(
     driver: EngineDriver,
     tool: str,
     argument: str,
     argv: Callable[[str], list[str]],
     env: dict[str, str],
-    root: Path,
+    where: list[Path],
 ) -> list[dict[str, Any]]:
-    """Run the CLI once in each project, each with its own first message, to its end;
-    each session's first request that offered the tools (its ``started`` event)."""
+    """Run the CLI once in each directory of ``where``, each session with its own first
+    message, to its end; each session's first request that offered the tools (its
+    ``started`` event)."""
     firsts = []
-    for cwd, message in zip(projects(root), FIRST_MESSAGES, strict=True):
+    for cwd, message in zip(where, FIRST_MESSAGES, strict=False):
         seen = driver.seen("started")
         model = ScriptedModel(driver, tool, argument)
         model.prompts = [e["prompt"] for e in driver.events if e["event"] == "started"]
@@ -148,16 +154,29 @@ def test_claude_codes_second_session_parts_from_the_first(
     def argv(message: str) -> list[str]:
         return [str(cli("claude")), "-p", message, "--allowedTools", "Bash"]
 
-    first, second = two_sessions(driver, "Bash", "command", argv, env, tmp_path)
+    plain, repo = projects(tmp_path)
+    # The second session in another project, the third in the second's project.
+    first, second, third = sessions(driver, "Bash", "command", argv, env, [plain, repo, repo])
     where = parting(first["prompt"], second["prompt"])
     print(f"Claude Code, second session's first prompt: {where}")
     # The system prompt and the tools are shared; the session's lines come after them.
     assert second["prompt"].index(TOOLS_END) < where.at
     assert where.index >= 0.8 * where.words  # issue 49's target: 80 % found cached
-    assert where.text.startswith("cc_version=")  # the first line of its own: the header
+    # The first line of its own: the memory directory, named after the project.
+    word = second["prompt"][where.at :].split()[0]
+    assert "project-b" in word and word.endswith("/memory/`."), where
     real = shared_tokens(server, first, second)
     print(f"  in SmolLM2's tokens: {real}")
     assert real.index >= 0.8 * real.words
+    # In the same project the memory, environment and git sections are shared too: the
+    # first line of its own is the billing header (its version follows the message).
+    again = parting(second["prompt"], third["prompt"])
+    print(f"Claude Code, third session (same project): {again}")
+    assert again.text.startswith("cc_version="), again
+    assert again.index > where.index
+    again_real = shared_tokens(server, second, third)
+    print(f"  in SmolLM2's tokens: {again_real}")
+    assert again_real.index > real.index
 
 
 def test_codexs_second_session_parts_from_the_first(
@@ -171,7 +190,7 @@ def test_codexs_second_session_parts_from_the_first(
         base = [str(cli("codex")), "exec", "--skip-git-repo-check"]
         return [*base, "--dangerously-bypass-approvals-and-sandbox", message]
 
-    first, second = two_sessions(driver, "exec_command", "cmd", argv, env, tmp_path)
+    first, second = sessions(driver, "exec_command", "cmd", argv, env, projects(tmp_path))
     where = parting(first["prompt"], second["prompt"])
     print(f"Codex, second session's first prompt: {where}")
     assert second["prompt"].index(TOOLS_END) < where.at

@@ -14,7 +14,10 @@ nothing cached (docs/agent-apis.md).
 :func:`split_system` takes those lines out of the system text, in order, for the core
 to place at the end of the system turn, after everything else it holds (the tools'
 description, a JSON schema: :attr:`~tokenmill.chat.request.ChatRequest.session_lines`).
-The text is the same; only these pieces move, and only within the system turn:
+The text is the same; only these pieces move, and only within the system turn, in
+their order, except that a piece that changes with every first message (the billing
+header) goes after those that change only with the project (a new session in the same
+directory then finds the memory, environment and git sections cached too):
 
 * the blocks after the last one marked with ``cache_control``, where some are (a
   Messages request's breakpoints: the client says where its stable prefix ends, and
@@ -55,6 +58,10 @@ SESSION_SECTIONS = (
     "gitStatus: ",
 )
 _OPENING = re.compile("^(?:" + "|".join(re.escape(s) for s in SESSION_SECTIONS) + ")", re.M)
+# Of those, the ones that change with every session's first message (Claude Code's
+# ``cc_version`` suffix), not only with its directory: they go last, so a new session
+# in the same project still finds the memory, environment and git sections cached.
+PER_MESSAGE = ("x-anthropic-billing-header:",)
 # A section ends where the next top-level markdown heading starts.
 _HEADING = re.compile(r"^# ", re.M)
 
@@ -91,6 +98,7 @@ def split_system(blocks: Sequence[SystemBlock]) -> SystemSplit:
         if rest:
             stable.append(rest)
         session.extend(moved)
+    session.sort(key=lambda piece: piece.startswith(PER_MESSAGE))  # stable: in order
     return SystemSplit(JOIN.join(stable), JOIN.join(session))
 
 
