@@ -371,16 +371,7 @@ class DecodeLoop:
         seconds = context.decoded_at - started
         self.row_cost.observe(n, seconds)
         if tuner is not None:
-            before = tuner.current
             tuner.observe(threads, n, seconds)
-            if tuner.current != before:
-                log.info(
-                    "decode threads %d -> %d (a step of %d tokens: %.1f ms)",
-                    before,
-                    tuner.current,
-                    n,
-                    seconds * 1000,
-                )
         if self._background_only(plan):
             # Background work takes at most half the engine's time while foreground
             # requests come: a step under way is what their first token waits for.

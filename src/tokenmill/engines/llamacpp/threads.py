@@ -25,12 +25,15 @@ than the quota.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+log = logging.getLogger("tokenmill.engines.llamacpp")
 
 # Weight of the newest step in a size's running average: a handful of steps decide.
 EWMA_ALPHA = 0.25
@@ -205,6 +208,14 @@ class ThreadTuner:
         key = (self.current, probe.n_tokens)
         current_avg = self._avg.get(key, math.inf)
         if probe_avg < current_avg * SWITCH_MARGIN:
+            log.info(
+                "decode threads %d -> %d: steps of %d tokens took %.1f ms against %.1f ms",
+                self.current,
+                probe.threads,
+                probe.n_tokens,
+                probe_avg * 1000,
+                current_avg * 1000,
+            )
             self.current = probe.threads
             self.switches += 1
             # Other sizes' figures were taken with the old count: start them afresh.
