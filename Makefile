@@ -80,8 +80,8 @@ bench: install $(LLAMA_SERVER)
 soak: install
 	$(BIN)/python bench/soak.py
 	# The KV memory's differential oracle (tests/engines/test_kv_oracle.py) over 500
-	# operation sequences a layout, drawn afresh (make test runs a fixed 10): about 30
-	# minutes a layout here, past the suite's 300 s test timeout. Prints the largest
+	# operation sequences a layout, drawn afresh (make test runs a fixed 10): over 34
+	# minutes a layout on a 2-core AMD EPYC (budget an hour), past the suite's 300 s test timeout. Prints the largest
 	# drift it saw beside the bound.
 	TOKENMILL_ORACLE_EXAMPLES=500 TOKENMILL_ORACLE_RANDOM=1 $(BIN)/python -m pytest \
 		-p no:cacheprovider --timeout 0 -s -k never_change tests/engines/test_kv_oracle.py
